@@ -1,0 +1,74 @@
+"""The `gyre-ray` command line: one sub-command per job, each registered by the module that owns it.
+
+Sub-command modules keep heavy imports (torch, ray) inside their handlers so that
+`gyre-ray --help` and pure-Python commands such as `simulate` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module exposes `register(subparsers) -> None` and sets `handler` defaults on its parsers.
+COMMAND_MODULES = (
+    "gyre_ray.train",
+    "gyre_ray.engines.cli",
+    "gyre_ray.trajectory.cli",
+    "gyre_ray.sim.cli",
+    "gyre_ray.proxy.cli",
+)
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    from gyre_ray.config import describe, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.describe:
+        for key, default, text in describe():
+            print(f"{key:42s} {default:24s} {text}")
+    else:
+        print(cfg.model_dump_json(indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gyre-ray", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    cfg = sub.add_parser("config", help="validate a config and print it (or describe every field)")
+    cfg.add_argument("--config", default=None, help="YAML config file")
+    cfg.add_argument("--describe", action="store_true", help="list every field with default and meaning")
+    cfg.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
+    cfg.set_defaults(handler=_config_command)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that command is not built yet
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gyre_ray.config import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(handler(args) or 0)
+    except ConfigError as exc:
+        print(f"gyre-ray: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gyre-ray: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

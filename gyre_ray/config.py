@@ -1,0 +1,147 @@
+"""The typed config tree: YAML files plus dotted command-line overrides.
+
+`load_config("jobs/configs/toy.yaml", ["trainer.lr=1e-5"])` returns a validated `GyreConfig`.
+Each section lives beside the code it configures (`gyre_ray/<area>/config.py`); this module
+composes them, parses overrides and turns validation failures into `ConfigError`s that name
+the dotted key and what is allowed there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from gyre_ray.algo.config import AlgoSection
+from gyre_ray.configbase import Section
+from gyre_ray.engines.config import EngineSection
+from gyre_ray.model.config import ModelSection
+from gyre_ray.proxy.config import ProxySection
+from gyre_ray.scheduling.config import SchedulerSection
+from gyre_ray.sim.config import SimSection
+from gyre_ray.trainers.config import TrainerSection
+from gyre_ray.trajectory.config import TrajectorySection
+
+
+class RunSection(Section):
+    """What a training job does end to end."""
+
+    name: str = Field("toy", description="Run name; the run folder is <run_dir>/<name>-<timestamp>.")
+    run_dir: str = Field("runs", description="Folder under which run folders are created.")
+    steps: int = Field(1, ge=1, description="RL steps (optimizer updates) to run.")
+    tasks_per_step: int = Field(2, ge=1, description="Distinct tasks per step; each runs group_size times.")
+    wandb_mode: str = Field("offline", description="wandb mode: offline, online or disabled.")
+    seed: int = Field(0, description="Global seed.")
+
+
+class GyreConfig(Section):
+    """Root of the config tree."""
+
+    run: RunSection = Field(default_factory=RunSection, description="The job.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
+    engine: EngineSection = Field(default_factory=EngineSection, description="Rollout engine.")
+    trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer.")
+    trajectory: TrajectorySection = Field(default_factory=TrajectorySection, description="Tree processing.")
+    algo: AlgoSection = Field(default_factory=AlgoSection, description="Objective.")
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Scheduling.")
+    sim: SimSection = Field(default_factory=SimSection, description="Simulator.")
+    proxy: ProxySection = Field(default_factory=ProxySection, description="Agent proxy.")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the dotted key."""
+
+
+def _allowed_keys(model: type[BaseModel], path: tuple[str | int, ...]) -> list[str]:
+    """Field names allowed at `path` (the parent of an offending key) in the tree rooted at `model`."""
+    current: Any = model
+    for part in path:
+        fields = getattr(current, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        current = fields[part].annotation
+    return sorted(getattr(current, "model_fields", {}))
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        loc = tuple(item["loc"])
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if item["type"] == "extra_forbidden":
+            allowed = _allowed_keys(GyreConfig, loc[:-1])
+            lines.append(f"  {key}: unknown key; allowed here: {', '.join(allowed)}")
+        else:
+            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into (["a","b","c"], parsed value); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc})") from exc
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each dotted override set (intermediate tables are created)."""
+    merged = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = merged
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GyreConfig:
+    """Load a YAML config (or the defaults when `path` is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a mapping of sections, got {type(data).__name__}")
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source += " + overrides"
+    try:
+        return GyreConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def describe(model: type[BaseModel] = GyreConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """Every leaf field as (dotted key, default, description), for docs and `gyre-ray config`."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        key = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe(ann, key + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((key, repr(default), field.description or ""))
+    return rows

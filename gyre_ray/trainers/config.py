@@ -1,0 +1,20 @@
+"""Config section `trainer`: the trainer backend and optimiser."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gyre_ray.configbase import Section
+
+
+class TrainerSection(Section):
+    """Trainer settings shared by all backends."""
+
+    backend: Literal["torch", "megatron"] = Field("torch", description="Trainer backend.")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables it.")
