@@ -14,7 +14,8 @@ class ModelSection(Section):
 
     preset: Literal["tiny"] = Field("tiny", description="Built-in architecture used when `path` is unset.")
     path: str | None = Field(
-        None, description="Local HF model folder (config.json + model.safetensors [+ tokenizer]); overrides preset."
+        None,
+        description="Local HF model folder (config.json + model.safetensors [+ tokenizer]); overrides preset.",
     )
     seed: int = Field(0, description="Seed for random initialisation of a preset model.")
     dtype: Literal["float32", "bfloat16", "float64"] = Field("float32", description="Parameter dtype.")

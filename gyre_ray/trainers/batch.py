@@ -52,6 +52,8 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, parent_index: 
     """
     safe_parent = parent_index.clamp(min=0)
     picked = torch.gather(logits, 1, safe_parent.unsqueeze(-1).expand(-1, -1, logits.size(-1)))
-    logp = torch.log_softmax(picked.float() if picked.dtype in (torch.float16, torch.bfloat16) else picked, -1)
+    logp = torch.log_softmax(
+        picked.float() if picked.dtype in (torch.float16, torch.bfloat16) else picked, -1
+    )
     out = torch.gather(logp, -1, input_ids.unsqueeze(-1)).squeeze(-1)
     return torch.where(parent_index >= 0, out, torch.zeros_like(out))

@@ -1,0 +1,131 @@
+"""The rollout-engine interface every backend implements (torch on CPU, SGLang on GPU).
+
+Engines take token ids and return token ids with per-token log-probabilities and the policy
+version that produced each token. A request can be aborted (its partial output returned),
+exported with its KV state and imported into another engine, where it continues without
+recomputing its prefix. The proxy and the cell actors only ever talk to this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses (bad ids, empty prompt, over the context, bad sampling values)."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raise EngineInputError naming the offending value."""
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise EngineInputError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise EngineInputError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise EngineInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+
+
+@dataclass
+class GenerateRequest:
+    """One generation: a prompt of token ids, a request id unique within the engine, sampling params."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token (finish_reason set on the last event of a request)."""
+
+    rid: str
+    token_id: int
+    logprob: float
+    version: int
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class GenerateResult:
+    """What a finished (or aborted) request produced."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: FinishReason
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (or an imported KV state)
+
+
+@dataclass
+class KVState:
+    """A request's resumable state: tokens so far, its KV tensors (CPU) and its sampling state."""
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    sampling: SamplingParams
+    kv: Any  # backend-specific, e.g. per-layer (k, v) CPU tensors covering input_ids + output_ids[:-1]
+    rng_state: Any = None
+    version: int = 0
+
+
+class RolloutEngine(abc.ABC):
+    """Token-level generation with continuous batching, prefix caching and KV migration."""
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Run the request to completion (or until aborted) and return its result."""
+
+    @abc.abstractmethod
+    def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Yield tokens as they are generated; the last event carries finish_reason."""
+
+    @abc.abstractmethod
+    async def abort(self, rid: str) -> GenerateResult | None:
+        """Stop a request; return its partial output (None if unknown or finished)."""
+
+    @abc.abstractmethod
+    async def export_kv(self, rid: str) -> KVState:
+        """Stop a running request and hand over its resumable state."""
+
+    @abc.abstractmethod
+    def import_kv(self, state: KVState) -> AsyncIterator[TokenEvent]:
+        """Continue an exported request here without recomputing its prefix; yields its new tokens."""
+
+    @abc.abstractmethod
+    async def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Load new weights at a safe point; later tokens carry `version`."""
+
+    @abc.abstractmethod
+    async def release_memory(self) -> None:
+        """Free weights and caches (the cell is about to train)."""
+
+    @abc.abstractmethod
+    async def resume_memory(self) -> None:
+        """Re-allocate what release_memory freed."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests, prompt / prefill-computed / prefix-cached / decoded tokens, running, version."""
