@@ -1,0 +1,131 @@
+"""A built-in toy agent harness for the CPU demo: a real OpenAI-API client with a branching history.
+
+It talks to the proxy through the official `openai` SDK, like any black-box harness, and leaves the
+kinds of branches long-horizon harnesses leave: a multi-turn main conversation with a tool
+(write_file), a retried call, a sub-agent with its own system prompt, and a context compaction
+(a summary call, then a fresh main conversation seeded by the summary). Roles are declared with
+the `X-Gyre-Role` header. Its answer goes to `answer.txt` in the workspace, which the task's
+evaluator scores.
+
+Run as `python -m gyre_ray.agents.toy_agent` with OPENAI_BASE_URL, OPENAI_API_KEY,
+GYRE_TASK_PROMPT and GYRE_WORKSPACE set (the agent runner sets them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+
+WRITE_FILE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "description": "Append text to answer.txt in the workspace.",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "description": "Text to append."}},
+            "required": ["text"],
+        },
+    },
+}
+MAIN_SYSTEM = "You are a careful coding agent. Use write_file to save your answer."
+SUB_SYSTEM = "You are a sub-agent. Answer the delegated question briefly."
+SUMMARY_PROMPT = "Summarize the conversation so far for a fresh context."
+
+
+class ToyAgent:
+    """One execution of the toy harness."""
+
+    def __init__(self, client, workspace: Path, task: str, seed: int, max_tokens: int = 16) -> None:
+        self.client = client
+        self.workspace = workspace
+        self.task = task
+        self.seed = seed
+        self.max_tokens = max_tokens
+        self.calls = 0
+
+    def _chat(self, messages: list[dict], role: str, tools: bool = True):
+        self.calls += 1
+        return self.client.chat.completions.create(
+            model="policy",
+            messages=messages,
+            tools=[WRITE_FILE_TOOL] if tools else None,
+            max_tokens=self.max_tokens,
+            temperature=1.0,
+            seed=self.seed + self.calls,
+            extra_headers={"X-Gyre-Role": role},
+        )
+
+    def _write_answer(self, text: str) -> int:
+        with open(self.workspace / "answer.txt", "a") as handle:
+            handle.write(text + "\n")
+        return len(text)
+
+    def _act(self, messages: list[dict], message) -> None:
+        """Append the assistant message and run its tool calls (or save its text)."""
+        entry: dict = {"role": "assistant", "content": message.content or ""}
+        if message.tool_calls:
+            entry["tool_calls"] = [tc.model_dump() for tc in message.tool_calls]
+        messages.append(entry)
+        for call in message.tool_calls or []:
+            try:
+                text = str(json.loads(call.function.arguments or "{}").get("text", ""))
+            except (json.JSONDecodeError, AttributeError):
+                text = call.function.arguments or ""
+            written = self._write_answer(text)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"wrote {written} chars"})
+        if not message.tool_calls:
+            self._write_answer(message.content or "")
+            messages.append({"role": "user", "content": "Saved. Improve the answer."})
+
+    def run(self, turns: int = 2) -> None:
+        """Main turns, a retry, a sub-agent, a compaction, then one more main turn."""
+        messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": self.task}]
+        for _ in range(turns):
+            self._act(messages, self._chat(messages, "main").choices[0].message)
+        # A retried call: the same input sent again (e.g. after a client-side timeout); the harness
+        # keeps the second answer, the first stays a sibling branch in the tree.
+        self._chat(messages, "main")
+        self._act(messages, self._chat(messages, "main").choices[0].message)
+        sub = self._chat(
+            [
+                {"role": "system", "content": SUB_SYSTEM},
+                {"role": "user", "content": f"Help with: {self.task}"},
+            ],
+            "sub-agent",
+            tools=False,
+        )
+        messages.append({"role": "user", "content": f"Sub-agent says: {sub.choices[0].message.content}"})
+        summary = self._chat(
+            messages + [{"role": "user", "content": SUMMARY_PROMPT}], "main-summary", tools=False
+        )
+        messages = [
+            {"role": "system", "content": MAIN_SYSTEM},
+            {"role": "user", "content": f"{self.task}\nSummary so far: {summary.choices[0].message.content}"},
+        ]
+        self._act(messages, self._chat(messages, "main").choices[0].message)
+
+
+def main() -> int:
+    from openai import OpenAI
+
+    workspace = Path(os.environ.get("GYRE_WORKSPACE", "."))
+    task = os.environ.get("GYRE_TASK_PROMPT", "")
+    if not task:
+        print("toy_agent: GYRE_TASK_PROMPT is empty", file=sys.stderr)
+        return 2
+    seed = zlib.crc32(str(workspace).encode()) % 100_000
+    client = OpenAI(timeout=600.0, max_retries=0)
+    agent = ToyAgent(
+        client, workspace, task, seed, max_tokens=int(os.environ.get("GYRE_TOY_MAX_TOKENS", "16"))
+    )
+    agent.run(turns=int(os.environ.get("GYRE_TOY_TURNS", "2")))
+    print(f"toy_agent: done after {agent.calls} model calls")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

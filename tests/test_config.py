@@ -1,0 +1,73 @@
+"""The config tree: shipped configs parse, overrides apply, bad keys and types are named clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.config import ConfigError, GyreConfig, describe, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p for d in ("jobs", "deployments") for p in (ROOT / d).rglob("*.yaml"))
+
+
+def test_there_are_shipped_configs() -> None:
+    assert any(p.name == "toy.yaml" for p in SHIPPED)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shipped_config_parses(path: Path) -> None:
+    if "serve" in path.name and "applications" in path.read_text():
+        pytest.skip("Ray Serve application file, not a gyre-ray config")
+    assert isinstance(load_config(path), GyreConfig)
+
+
+def test_dotted_overrides_are_typed() -> None:
+    cfg = load_config(None, ["trainer.lr=3e-6", "scheduler.policy=colocate", "trainer.betas=[0.8, 0.9]"])
+    assert cfg.trainer.lr == pytest.approx(3e-6)
+    assert cfg.scheduler.policy == "colocate"
+    assert cfg.trainer.betas == (0.8, 0.9)
+
+
+def test_unknown_key_names_the_key_and_what_is_allowed() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.learning_rate=1e-5"])
+    text = str(err.value)
+    assert "trainer.learning_rate: unknown key" in text and "lr" in text
+
+
+def test_unknown_section_is_named() -> None:
+    with pytest.raises(ConfigError, match="trainerr: unknown key; allowed here: .*trainer"):
+        load_config(None, ["trainerr.lr=1"])
+
+
+def test_wrong_type_and_range_are_named() -> None:
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        load_config(None, ["trainer.lr=fast"])
+    with pytest.raises(ConfigError, match="scheduler.policy"):
+        load_config(None, ["scheduler.policy=round-robin"])
+
+
+def test_override_syntax_errors_are_clear() -> None:
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, ["trainer.lr"])
+    with pytest.raises(ConfigError, match="is not a section"):
+        load_config(None, ["trainer.lr=1", "trainer.lr.x=2"])
+
+
+def test_bad_yaml_file_is_reported(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_every_field_has_a_description() -> None:
+    missing = [key for key, _default, text in describe() if not text.strip()]
+    assert missing == []
