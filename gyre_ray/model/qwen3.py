@@ -1,0 +1,263 @@
+"""A compact Qwen3 causal LM whose parameter names and shapes equal transformers' `Qwen3ForCausalLM`.
+
+RMSNorm, rotary position embeddings, grouped-query attention with per-head q/k RMSNorm, SwiGLU MLP,
+tied or untied embeddings. `forward` takes explicit position ids, an arbitrary boolean attention
+mask (tree / packed / padded rows) and a `KVCache` it appends to. With no mask, attention is causal
+over cache + new tokens and never materialises a T x S mask for a fresh prefill, so a long
+single-sequence prefill stays within memory; other cases attend in query chunks of bounded size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gyre_ray.model.arch import ModelArgs
+from gyre_ray.model.kv_cache import KVCache
+
+# Upper bound on attention scores (batch x heads x query-chunk x keys) materialised at once.
+MAX_SCORES_PER_CHUNK = 1 << 25
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in float32 like transformers."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for explicit position ids (computed in float32, cast to the activations' dtype)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self._inv_freq: torch.Tensor | None = None  # not a buffer: must stay float32 under .to(dtype)
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
+            self._inv_freq = 1.0 / (self.theta**exponent)
+        return self._inv_freq
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.size(-1) // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, past_len: int
+) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, Hq, T, D) over k, v (B, Hkv, S, D).
+
+    mask: (B, T, S) bool, True = may attend, or None = causal with the T queries at the end of S.
+    Query rows whose mask is all False (padding) return zeros instead of NaN.
+    """
+    batch, heads, t, _ = q.shape
+    s = k.size(2)
+    if not _SDPA_HAS_GQA and k.size(1) != heads:
+        k = k.repeat_interleave(heads // k.size(1), dim=1)
+        v = v.repeat_interleave(heads // v.size(1), dim=1)
+    gqa = {"enable_gqa": k.size(1) != heads} if _SDPA_HAS_GQA else {}
+    if mask is None and past_len == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, **gqa)
+    if mask is None and t == 1:
+        return F.scaled_dot_product_attention(q, k, v, **gqa)
+    chunk = max(1, MAX_SCORES_PER_CHUNK // (batch * heads * s))
+    outputs = []
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        if mask is None:
+            rows = torch.arange(past_len + start, past_len + stop, device=q.device)
+            allowed = (torch.arange(s, device=q.device) <= rows[:, None])[None, None]
+            outputs.append(
+                F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=allowed, **gqa)
+            )
+            continue
+        allowed = mask[:, start:stop]
+        dead = ~allowed.any(-1, keepdim=True)  # (B, C, 1): rows with nothing to attend to
+        out = F.scaled_dot_product_attention(
+            q[:, :, start:stop], k, v, attn_mask=(allowed | dead).unsqueeze(1), **gqa
+        )
+        outputs.append(out.masked_fill(dead.unsqueeze(1), 0.0))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = args.num_attention_heads
+        self.num_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps)
+        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        batch, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(batch, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        past_len = 0
+        if kv_cache is not None:
+            past_len = kv_cache.length
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        out = attend(q, k, v, mask, past_len)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, t, self.num_heads * self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(args, layer_idx)
+        self.mlp = Qwen3MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """The decoder stack (`model.*` in HF parameter names)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 decoder + LM head; `forward(input_ids, position_ids, attention_mask, kv_cache) -> logits`."""
+
+    def __init__(
+        self, args: ModelArgs, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.model = Qwen3Model(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if dtype is not None or device is not None:
+            self.to(device=device, dtype=dtype)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states (B, T, hidden); same arguments as `forward`."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
+        batch, t = input_ids.shape
+        past_len = kv_cache.length if kv_cache is not None else 0
+        if kv_cache is not None and kv_cache.num_layers and kv_cache.batch_size != batch:
+            raise ValueError(f"kv_cache holds {kv_cache.batch_size} rows but input_ids has {batch}")
+        if position_ids is None:
+            position_ids = torch.arange(past_len, past_len + t, device=input_ids.device).expand(batch, t)
+        elif tuple(position_ids.shape) != (batch, t):
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {(batch, t)}"
+            )
+        if attention_mask is not None:
+            expected = (batch, t, past_len + t)
+            if tuple(attention_mask.shape) != expected:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != (batch, tokens, past + tokens) "
+                    f"{expected}"
+                )
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"attention_mask must be bool (True = may attend), got {attention_mask.dtype}"
+                )
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary(position_ids, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, attention_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(t)
+        return self.model.norm(x)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Logits (B, T, V); with `logits_to_keep` = n > 0 only those of the last n tokens (B, n, V).
+
+        attention_mask: (B, T, S) bool, True = may attend, S = cache length + T; None = causal.
+        position_ids: (B, T); default cache length + arange(T). New keys/values go into `kv_cache`.
+        """
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask, kv_cache)
+        if logits_to_keep > 0:
+            hidden = hidden[:, -logits_to_keep:]
+        return self.lm_head(hidden)
+
+
+@torch.no_grad()
+def init_weights(model: Qwen3ForCausalLM, seed: int, std: float = 0.02) -> Qwen3ForCausalLM:
+    """Seeded random init (normal(0, std) matrices, unit norms), independent of the global RNG."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            param.copy_(values.to(param.dtype))
+    return model

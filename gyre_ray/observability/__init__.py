@@ -1,0 +1,1 @@
+"""Progress display, metrics logging (wandb, offline by default) and run folders."""
