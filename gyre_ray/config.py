@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError
 
+from gyre_ray.agents.config import AgentSection
 from gyre_ray.algo.config import AlgoSection
 from gyre_ray.configbase import Section
 from gyre_ray.engines.config import EngineSection
@@ -45,6 +46,7 @@ class GyreConfig(Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="Trainer.")
     trajectory: TrajectorySection = Field(default_factory=TrajectorySection, description="Tree processing.")
     algo: AlgoSection = Field(default_factory=AlgoSection, description="Objective.")
+    agents: AgentSection = Field(default_factory=AgentSection, description="Agent harness and tasks.")
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Scheduling.")
     sim: SimSection = Field(default_factory=SimSection, description="Simulator.")
     proxy: ProxySection = Field(default_factory=ProxySection, description="Agent proxy.")
