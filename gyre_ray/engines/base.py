@@ -21,6 +21,17 @@ class EngineInputError(ValueError):
     """A request the engine refuses (bad ids, empty prompt, over the context, bad sampling values)."""
 
 
+class UnknownRequestError(KeyError):
+    """`export_kv` named a request the engine is not running (unknown, finished or already moved)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of its argument
+        return str(self.args[0]) if self.args else "unknown request"
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down; it accepts no more requests."""
+
+
 @dataclass
 class SamplingParams:
     """How to sample. temperature 0 means greedy."""
@@ -52,9 +63,16 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
+ABORT_TOKEN_ID = -1
+
+
 @dataclass
 class TokenEvent:
-    """One streamed token (finish_reason set on the last event of a request)."""
+    """One streamed token (finish_reason set on the last event of a request).
+
+    A stream that is aborted or exported ends with one event whose finish_reason is "abort" and
+    whose token_id is ABORT_TOKEN_ID (-1): it carries no token.
+    """
 
     rid: str
     token_id: int
@@ -88,7 +106,7 @@ class KVState:
     sampling: SamplingParams
     kv: Any  # backend-specific, e.g. per-layer (k, v) CPU tensors covering input_ids + output_ids[:-1]
     rng_state: Any = None
-    version: int = 0
+    version: int = 0  # weight version that computed the oldest of these KV entries
 
 
 class RolloutEngine(abc.ABC):

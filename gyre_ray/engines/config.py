@@ -17,3 +17,14 @@ class EngineSection(Section):
     prefix_cache_tokens: int = Field(
         262_144, ge=0, description="Token budget of the prefix (radix) KV cache; 0 disables it."
     )
+    prefill_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Most prompt tokens prefilled per scheduler iteration; longer prompts continue in the "
+        "next iteration while running requests keep decoding.",
+    )
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        description="Torch intra-op threads for the torch engine (process-wide); 0 leaves torch's default.",
+    )

@@ -1,0 +1,1 @@
+"""Rollout engines: the `RolloutEngine` interface, the torch engine and the backend factory."""

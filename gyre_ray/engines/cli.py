@@ -1,0 +1,80 @@
+"""`gyre-ray generate`: try the policy from the shell through the torch rollout engine.
+
+The prompt becomes one ChatML user turn (the model package's chat template); the reply is printed
+as text, or with `--json` as {"text", "token_ids", "logprobs", "finish_reason"}. Bad input prints
+one line naming the limit and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate a reply to one prompt with the policy (torch engine)",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--prompt", required=True, help="user message text")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    parser.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    parser.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.seed=3")
+    parser.set_defaults(handler=_generate_command)
+
+
+def _fail(message: str) -> int:
+    print(f"gyre-ray generate: {message}", file=sys.stderr)
+    return 2
+
+
+def _generate_command(args: argparse.Namespace) -> int:
+    from gyre_ray.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if not args.prompt.strip():
+        return _fail("--prompt is empty: give the text of a user message")
+    import asyncio
+
+    from gyre_ray.engines.base import EngineInputError, GenerateRequest, SamplingParams
+    from gyre_ray.engines.factory import make_engine
+    from gyre_ray.model import load_policy
+    from gyre_ray.model.chat_template import encode_chat
+
+    try:
+        model, tokenizer, model_args = load_policy(config.model)
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot load the policy ({config.model.path or config.model.preset}): {exc}")
+    prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed
+    )
+    try:
+        engine = make_engine(config.engine, model, model_args, stop_token_ids=tokenizer.stop_ids())
+    except NotImplementedError as exc:
+        return _fail(str(exc))
+    try:
+        result = asyncio.run(engine.generate(GenerateRequest("cli", prompt_ids, sampling)))
+    except EngineInputError as exc:
+        return _fail(str(exc))
+    finally:
+        engine.shutdown()
+    text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+    if args.json:
+        payload = {
+            "text": text,
+            "token_ids": result.output_ids,
+            "logprobs": result.output_logprobs,
+            "finish_reason": result.finish_reason,
+        }
+        print(json.dumps(payload))
+    else:
+        print(text)
+    return 0

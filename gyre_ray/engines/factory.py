@@ -1,0 +1,38 @@
+"""Build the rollout engine the config asks for (`engine.backend`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gyre_ray.engines.base import RolloutEngine
+from gyre_ray.engines.config import EngineSection
+from gyre_ray.model.arch import ModelArgs
+
+
+def make_engine(
+    section: EngineSection, model: torch.nn.Module, args: ModelArgs, *, version: int = 0, **options: Any
+) -> RolloutEngine:
+    """An engine for `section.backend`: "torch" here; "sglang" is not available yet.
+
+    `options` go to the backend's constructor (e.g. `stop_token_ids`, `free_weights_on_release`).
+    """
+    if section.backend == "torch":
+        from gyre_ray.engines.torch_engine import TorchEngine
+
+        return TorchEngine(
+            model,
+            args,
+            max_batch_size=section.max_batch_size,
+            prefix_cache_tokens=section.prefix_cache_tokens,
+            prefill_chunk_tokens=section.prefill_chunk_tokens,
+            torch_threads=section.torch_threads or None,
+            version=version,
+            **options,
+        )
+    if section.backend == "sglang":
+        raise NotImplementedError(
+            "engine.backend='sglang': the SGLang adapter is not available yet; use engine.backend=torch"
+        )
+    raise ValueError(f"unknown engine.backend {section.backend!r}; allowed: torch, sglang")

@@ -1,0 +1,72 @@
+"""The trainer interface every backend implements (torch on CPU, Megatron-core on GPU).
+
+A trainer holds one replica of the policy and its optimizer. Gradients accumulate with *sum*
+semantics across `forward_backward` calls and across replicas (`export_grads` on a satellite,
+`import_grads` on the core); only `optimizer_step(scale)` scales them, once, by a factor the
+caller chooses (e.g. 1 / number of executions). So the update does not depend on how micro-batches
+were spread over calls or cells.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gyre_ray.trainers.batch import MicroBatch
+
+# loss_fn(token_logprobs (B, T), batch) -> (scalar loss to backpropagate, metrics)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Trainer(abc.ABC):
+    """Forward/backward on micro-batches, gradient exchange, optimizer steps, checkpoints."""
+
+    version: int  # weight version: bumped by every optimizer step, set by load_state_dict / load
+    step: int  # optimizer steps taken
+
+    @abc.abstractmethod
+    def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
+        """Add the gradients of `loss_fn` on `batch` to the accumulated ones; return its metrics."""
+
+    @abc.abstractmethod
+    def compute_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        """Per-token log-probabilities (B, T) under the current weights, without gradients."""
+
+    @abc.abstractmethod
+    def export_grads(self) -> dict[str, torch.Tensor]:
+        """The accumulated gradients as CPU tensors by parameter name (zeros where none yet)."""
+
+    @abc.abstractmethod
+    def import_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Add `grads` (as from export_grads of another replica) to the accumulated gradients."""
+
+    @abc.abstractmethod
+    def zero_grads(self) -> None:
+        """Drop the accumulated gradients."""
+
+    @abc.abstractmethod
+    def optimizer_step(self, scale: float) -> dict[str, float]:
+        """Multiply gradients by `scale`, clip, step the optimizer, zero gradients; returns grad_norm etc."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model weights (HF parameter names, CPU tensors) for engines and satellites."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the weights with `state` and adopt `version` (optimizer state is kept)."""
+
+    @abc.abstractmethod
+    def save(self, folder: str | Path) -> Path:
+        """Write weights (HF folder), optimizer state, step, version and RNG states."""
+
+    @abc.abstractmethod
+    def load(self, folder: str | Path) -> None:
+        """Restore everything `save` wrote."""
+
+    def metadata(self) -> dict[str, Any]:
+        return {"version": self.version, "step": self.step}
