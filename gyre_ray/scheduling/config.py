@@ -1,4 +1,7 @@
-"""Config section `scheduler`: which scheduling policy drives the cells."""
+"""Config section `scheduler`: which scheduling policy drives the cells, and its knobs.
+
+Shared by the Ray scheduler actor and the simulator (`gyre-ray simulate` reads the knobs from here).
+"""
 
 from __future__ import annotations
 
@@ -15,3 +18,20 @@ class SchedulerSection(Section):
     policy: Literal["elastic", "colocate", "async"] = Field("elastic", description="Scheduling policy.")
     cells: int = Field(2, ge=1, description="Number of cells the devices are split into.")
     staleness: int = Field(1, ge=0, description="Max policy-version lag of trained tokens (eta).")
+    elastic_repay_factor: float = Field(
+        1.0,
+        ge=0,
+        description="elastic: switch a cell to training only if queued work per trainer >= this x "
+        "(switch-in + switch-out time).",
+    )
+    elastic_prefetch: Literal["eager", "spare"] = Field(
+        "eager",
+        description="elastic, eta >= 1: 'eager' pulls trainers back as soon as a later batch may launch; "
+        "'spare' launches later batches only into room left on rollout cells and idle trainers.",
+    )
+    async_train_cells: int = Field(
+        0,
+        ge=0,
+        description="async: cells that train (the rest roll out); 0 = the simulator's best split "
+        "(real runs then use cells // 2).",
+    )

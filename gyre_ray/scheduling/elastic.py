@@ -1,0 +1,182 @@
+"""`elastic`: water-level control of cell roles.
+
+Every decision does, in this order:
+1. **Return.** If the demand the rollout side must carry exceeds the rollout capacity (ready cells
+   and cells already coming back), trainers go back to rollout until it does not: satellites
+   before the core, idle trainers before busy ones; a busy one finishes its micro-step first.
+2. **Launch.** Pending launchable executions go, oldest batch first, to the rollout cell with the
+   most room.
+3. **Water level.** While no cell is coming back, a rollout cell switches to training if the
+   rollout cells that remain can hold the demand (its own executions migrate to them) and enough
+   trainable work is queued to repay the switch: the training backlog per trainer, this cell
+   included, must be at least `repay_factor` x (switch in + switch out) (any backlog will do when
+   no cell trains yet). The core goes first, then
+   satellites with the fewest executions to migrate. Satellites that switch join the training
+   step in progress (they claim the current batch's micro-steps).
+
+"Demand" depends on how executions of *later* batches (prefetch, possible when eta >= 1) are
+treated, the `prefetch` knob:
+- `eager` (default): demand is every in-flight and every launchable execution, so a newly
+  launchable batch pulls trainers back at once. Best when rollouts are the long pole.
+- `spare`: demand is in-flight executions plus pending ones of the current batch; prefetch
+  executions only fill room left on cells that stay in rollout anyway, and only idle trainers
+  (no trainable work queued) come back for them. Best when training is the long pole.
+With eta = 0 there is no prefetch and both modes decide the same.
+"""
+
+from __future__ import annotations
+
+from gyre_ray.scheduling.base import (
+    EPS,
+    Policy,
+    free_rollout_capacity,
+    place_pending,
+    register_policy,
+)
+from gyre_ray.scheduling.state import (
+    Action,
+    CellState,
+    Launch,
+    Role,
+    SchedState,
+    SwitchToRollout,
+    SwitchToTrain,
+)
+
+PREFETCH_MODES = ("eager", "spare")
+
+
+@register_policy
+class ElasticPolicy(Policy):
+    """Water-level control: cells move to training as rollout demand drains and come back with it."""
+
+    name = "elastic"
+
+    def __init__(self, repay_factor: float = 1.0, prefetch: str = "eager") -> None:
+        if repay_factor < 0:
+            raise ValueError(f"elastic policy: repay_factor must be >= 0, got {repay_factor}")
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"elastic policy: prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
+        self.repay_factor = repay_factor
+        self.prefetch = prefetch
+
+    def decide(self, state: SchedState) -> list[Action]:
+        if state.policy_version >= state.steps_total:
+            return []
+        free = free_rollout_capacity(state)
+        capacity = sum(c.rollout_capacity for c in state.cells if c.role is Role.ROLLOUT)
+        in_flight = sum(c.load for c in state.cells)
+        urgent = in_flight + state.launchable_demand(max_lag=0)
+        everything = in_flight + state.launchable_demand()
+        actions: list[Action] = []
+        demand = everything if self.prefetch == "eager" else urgent
+        deficit = demand - capacity
+        if deficit > EPS:
+            actions.extend(self._return_cells(state, deficit))
+        elif everything - capacity > EPS and state.ready_work_s <= EPS:
+            # spare mode: trainers with nothing to train come back to launch prefetch executions
+            actions.extend(self._return_cells(state, everything - capacity, idle_only=True))
+        returning = bool(actions)
+        placed: dict[int, list[float]] = {}
+        actions.extend(
+            place_pending(state, free, max_lag=None if self.prefetch == "eager" else 0, placed=placed)
+        )
+        if deficit <= EPS and not returning:
+            actions.extend(self._water_level(state, free, capacity, demand, placed))
+        if self.prefetch == "spare":
+            launched = {a.exec_id for a in actions if isinstance(a, Launch)}
+            actions.extend(place_pending(state, free, skip=launched))
+        return actions
+
+    @staticmethod
+    def _return_cells(state: SchedState, deficit: float, idle_only: bool = False) -> list[Action]:
+        """Trainers to send back so that rollout capacity covers `deficit` more demand."""
+        trainers = [c for c in state.cells if c.role is Role.TRAIN]
+        deficit -= sum(c.rollout_capacity for c in trainers if c.return_requested)
+        if idle_only:
+            trainers = [c for c in trainers if c.ready and c.micro_step_until is None]
+
+        def order(c: CellState) -> tuple:
+            if not c.ready:
+                rank, until = 2, c.switching_until  # still switching in: returning wastes the switch
+            elif c.micro_step_until is None:
+                rank, until = 0, 0.0  # idle: comes back at once
+            else:
+                rank, until = 1, c.micro_step_until
+            return (c.is_core, rank, until, -c.cell_id)
+
+        actions: list[Action] = []
+        for cell in sorted((c for c in trainers if not c.return_requested), key=order):
+            if deficit <= EPS:
+                break
+            actions.append(SwitchToRollout(cell.cell_id))
+            deficit -= cell.rollout_capacity
+        return actions
+
+    def _water_level(
+        self,
+        state: SchedState,
+        free: dict[int, float],
+        capacity: float,
+        demand: float,
+        placed: dict[int, list[float]],
+    ) -> list[Action]:
+        """Rollout cells to switch to training now (possibly none)."""
+        if any(c.role is Role.TRAIN and c.return_requested for c in state.cells):
+            return []
+        if any(c.role is Role.ROLLOUT and not c.ready for c in state.cells):
+            return []  # cells are coming back: demand just rose
+        trainers = [c for c in state.cells if c.role is Role.TRAIN]
+        backlog = state.ready_work_s + sum(
+            max(0.0, c.micro_step_until - state.now) for c in trainers if c.micro_step_until is not None
+        )
+        repay_s = self.repay_factor * (state.switch_to_train_s + state.switch_to_rollout_s)
+        candidates = sorted(
+            (c for c in state.cells if c.role is Role.ROLLOUT and c.ready),
+            key=lambda c: (not c.is_core, c.load, c.cell_id),
+        )
+        n_trainers = len(trainers)
+        # demands this decision puts onto cells that the state does not show yet (launches, migrations)
+        moved_in = {cell_id: list(items) for cell_id, items in placed.items()}
+        actions: list[Action] = []
+        for cell in candidates:
+            if backlog <= EPS:
+                break
+            if n_trainers and backlog / (n_trainers + 1) + EPS < repay_s:
+                break  # the work would not repay the switch (with no trainer at all, someone must train)
+            if capacity - cell.rollout_capacity + EPS < demand:
+                break  # the cells left could not hold every in-flight and launchable execution
+            if not _migrate_into(state, cell, free, moved_in):
+                continue
+            actions.append(SwitchToTrain(cell.cell_id))
+            capacity -= cell.rollout_capacity
+            n_trainers += 1
+        return actions
+
+
+def _migrate_into(
+    state: SchedState, leaving: CellState, free: dict[int, float], moved_in: dict[int, list[float]]
+) -> bool:
+    """Plan moving `leaving`'s executions (its own and those planned onto it) into the other cells.
+
+    Uses the simulator's rule (largest demand first, into the cell with the most room). On success
+    updates `free` and `moved_in`.
+    """
+    rooms = {cell_id: room for cell_id, room in free.items() if cell_id != leaving.cell_id}
+    hosted = state.in_flight_by_cell.get(leaving.cell_id, {})
+    demands = [e.demand for e in hosted.values()] + moved_in.get(leaving.cell_id, [])
+    plan: dict[int, list[float]] = {}
+    for demand in sorted(demands, reverse=True):
+        if not rooms:
+            return False
+        best = max(rooms, key=rooms.__getitem__)
+        if rooms[best] + EPS < demand:
+            return False
+        rooms[best] -= demand
+        plan.setdefault(best, []).append(demand)
+    free.clear()
+    free.update(rooms)
+    moved_in.pop(leaving.cell_id, None)
+    for cell_id, items in plan.items():
+        moved_in.setdefault(cell_id, []).extend(items)
+    return True

@@ -1,0 +1,237 @@
+"""`gyre-ray simulate` (compare policies on a workload) and `gyre-ray plan` (recommend a cell layout).
+
+Both are pure Python and fast to start: heavy imports stay inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+HOUR = 3600.0
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(subparsers: Any) -> None:
+    """Add the `simulate` and `plan` sub-commands."""
+    sim = subparsers.add_parser(
+        "simulate", help="simulate scheduling policies on a workload at cluster scale"
+    )
+    sim.add_argument(
+        "--workload", default=None, help="preset (nl2repo, nl2repo-hard, terminal) or YAML/JSONL/CSV file"
+    )
+    sim.add_argument("--cells", type=int, default=None, help="cells in the cluster (default sim.cells = 8)")
+    sim.add_argument("--steps", type=int, default=None, help="RL steps (default sim.steps = 48)")
+    sim.add_argument("--policies", default=None, help="comma-separated, e.g. colocate,async,elastic")
+    sim.add_argument(
+        "--staleness", type=int, default=None, help="staleness bound eta (default scheduler.staleness)"
+    )
+    sim.add_argument("--seed", type=int, default=None, help="workload seed (default sim.seed)")
+    sim.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    sim.add_argument("--plot", default=None, metavar="FILE.png", help="draw each policy's cell-role timeline")
+    sim.add_argument("--plot-hours", type=float, default=None, help="only the first H hours in the plot")
+    sim.add_argument("--config", default=None, help="YAML config whose scheduler/sim sections to use")
+    sim.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. sim.weight_sync_s=10")
+    sim.set_defaults(handler=_simulate_command)
+
+    plan = subparsers.add_parser(
+        "plan", help="sweep cluster and cell sizes for a workload; recommend a layout"
+    )
+    plan.add_argument("--workload", default=None, help="preset or YAML/JSONL/CSV file (default sim.workload)")
+    plan.add_argument("--nodes", type=_csv_ints, default=[32], help="cluster size(s) in nodes, e.g. 16,32")
+    plan.add_argument(
+        "--reference-nodes", type=int, default=None, help="nodes the workload's capacity/training refer to"
+    )
+    plan.add_argument("--min-cell-nodes", type=int, default=1, help="nodes one trainer replica needs")
+    plan.add_argument(
+        "--cell-nodes", type=_csv_ints, default=None, help="cell sizes to try (default: divisors)"
+    )
+    plan.add_argument("--steps", type=int, default=12, help="RL steps per simulation (default 12)")
+    plan.add_argument(
+        "--staleness", type=int, default=None, help="staleness bound eta (default scheduler.staleness)"
+    )
+    plan.add_argument("--policy", default="elastic", help="policy to plan for (default elastic)")
+    plan.add_argument("--seed", type=int, default=None, help="workload seed (default sim.seed)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    plan.add_argument("--config", default=None, help="YAML config whose scheduler/sim sections to use")
+    plan.add_argument("overrides", nargs="*", help="dotted config overrides")
+    plan.set_defaults(handler=_plan_command)
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"gyre-ray {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def _simulate_command(args: argparse.Namespace) -> int:
+    from gyre_ray.config import load_config
+    from gyre_ray.sim.engine import SimulationError
+    from gyre_ray.sim.runner import costs_from, simulate
+    from gyre_ray.sim.workload import WorkloadError, load_workload, sample_workload
+
+    cfg = load_config(args.config, args.overrides)
+    sim, sched = cfg.sim, cfg.scheduler
+    cells = args.cells if args.cells is not None else sim.cells
+    steps = args.steps if args.steps is not None else sim.steps
+    staleness = args.staleness if args.staleness is not None else sched.staleness
+    seed = args.seed if args.seed is not None else sim.seed
+    policies = (
+        [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else list(sim.policies)
+    )
+    if cells < 1 or steps < 1 or staleness < 0:
+        return _fail(
+            "simulate",
+            f"need --cells >= 1, --steps >= 1, --staleness >= 0 (got {cells}, {steps}, {staleness})",
+        )
+    if "async" in policies and cells < 2:
+        return _fail("simulate", "async needs --cells >= 2 (one trainer and one rollout cell)")
+    try:
+        spec, base_dir = load_workload(args.workload or sim.workload)
+        wl = sample_workload(spec, steps, seed, base_dir)
+        results = simulate(
+            wl,
+            policies,
+            cells,
+            staleness,
+            costs_from(sim),
+            record=bool(args.plot),
+            tune=sim.tune_knobs,
+            async_train_cells=sched.async_train_cells,
+            repay_factor=sched.elastic_repay_factor,
+            prefetch=sched.elastic_prefetch,
+        )
+    except (WorkloadError, ValueError) as exc:
+        return _fail("simulate", str(exc))
+    except SimulationError as exc:
+        print(f"gyre-ray simulate: simulation failed: {exc}", file=sys.stderr)
+        return 1
+    report = simulation_report(spec.name, cells, steps, staleness, seed, results)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+    if args.plot:
+        from gyre_ray.sim.plot import plot_timelines
+
+        title = f"{spec.name}: {steps} steps on {cells} cells, eta = {staleness}"
+        path = plot_timelines(
+            list(results.values()), args.plot, wl.capacity_per_cell(cells), title, args.plot_hours
+        )
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def simulation_report(
+    workload: str, cells: int, steps: int, staleness: int, seed: int, results: dict[str, Any]
+) -> dict[str, Any]:
+    """The `--json` object: run settings, one summary per policy, and speedups of elastic."""
+    report: dict[str, Any] = {
+        "workload": workload,
+        "cells": cells,
+        "steps": steps,
+        "staleness": staleness,
+        "seed": seed,
+        "policies": {name: r.summary() for name, r in results.items()},
+    }
+    if "elastic" in results:
+        elastic = results["elastic"].makespan_s
+        report["speedups"] = {
+            f"elastic_vs_{name}": round(r.makespan_s / elastic, 4)
+            for name, r in results.items()
+            if name != "elastic"
+        }
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """A plain-text table of a simulation report."""
+    steps = report["steps"]
+    lines = [
+        f"workload {report['workload']}: {steps} steps on {report['cells']} cells, staleness bound eta = "
+        f"{report['staleness']}, seed {report['seed']}",
+        f"{'policy':10s} {'makespan h':>10s} {'h/step':>7s} {'bound h':>8s} {'x bound':>7s} "
+        f"{'util':>6s} {'stale':>6s} {'switches':>8s}  knobs",
+    ]
+    for name, row in report["policies"].items():
+        knobs = {k: v for k, v in row["knobs"].items() if k != "sweep_makespan_s"}
+        lines.append(
+            f"{name:10s} {row['makespan_s'] / HOUR:10.2f} {row['makespan_s'] / HOUR / steps:7.3f} "
+            f"{row['lower_bound_s'] / HOUR:8.2f} {row['ratio_to_bound']:7.3f} {row['utilization']:6.1%} "
+            f"{row['mean_staleness']:6.2f} {row['switches']:8d}  {knobs or ''}"
+        )
+    for key, value in report.get("speedups", {}).items():
+        lines.append(f"{key.replace('_', ' ')}: {value:.3f}x")
+    return "\n".join(lines)
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    from gyre_ray.config import load_config
+    from gyre_ray.sim.engine import SimulationError
+    from gyre_ray.sim.plan import plan_layouts, recommend
+    from gyre_ray.sim.runner import costs_from
+    from gyre_ray.sim.workload import WorkloadError, load_workload
+
+    cfg = load_config(args.config, args.overrides)
+    staleness = args.staleness if args.staleness is not None else cfg.scheduler.staleness
+    seed = args.seed if args.seed is not None else cfg.sim.seed
+    if not args.nodes or min(args.nodes) < 2:
+        return _fail("plan", f"--nodes must list cluster sizes >= 2, got {args.nodes}")
+    reference = args.reference_nodes or args.nodes[0]
+    try:
+        spec, _ = load_workload(args.workload or cfg.sim.workload)
+        layouts = plan_layouts(
+            spec,
+            args.nodes,
+            reference,
+            args.min_cell_nodes,
+            args.cell_nodes,
+            args.steps,
+            staleness,
+            args.policy,
+            seed,
+            costs_from(cfg.sim),
+        )
+        picks = {n: recommend(layouts, n) for n in args.nodes}
+    except (WorkloadError, ValueError) as exc:
+        return _fail("plan", str(exc))
+    except SimulationError as exc:
+        print(f"gyre-ray plan: simulation failed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "workload": spec.name,
+                    "policy": args.policy,
+                    "steps": args.steps,
+                    "staleness": staleness,
+                    "layouts": [{**vars(x), "node_hours": round(x.node_hours, 2)} for x in layouts],
+                    "recommended": {str(n): vars(x) for n, x in picks.items()},
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(f"workload {spec.name}: {args.policy}, {args.steps} steps, eta = {staleness}")
+    print(
+        f"{'nodes':>5s} {'cell nodes':>10s} {'cells':>5s} {'h/step':>7s} {'x bound':>7s} {'util':>6s} {'node-h':>8s}"
+    )
+    for x in sorted(layouts, key=lambda x: (x.nodes, x.cell_nodes)):
+        print(
+            f"{x.nodes:5d} {x.cell_nodes:10d} {x.cells:5d} {x.makespan_s / HOUR / args.steps:7.3f} "
+            f"{x.makespan_s / x.lower_bound_s:7.3f} {x.utilization:6.1%} {x.node_hours:8.1f}"
+        )
+    for n, x in picks.items():
+        print(
+            f"recommended for {n} nodes: {x.cells} cells of {x.cell_nodes} nodes "
+            f"({x.makespan_s / HOUR / args.steps:.3f} h per step)"
+        )
+    return 0

@@ -1,0 +1,167 @@
+"""Run policies on one sampled workload and attach the lower bound: what `simulate`, `plan` and the benchmark share.
+
+With `tune=True` each policy gets its best knob on the very workload it is measured on:
+`async` its best fixed split (every split 1 .. C-1 trainers is simulated; one is cut short only
+once its clock passes the best makespan found so far, so it could not have won), `elastic` its best
+prefetch mode (eager or spare; they differ only when eta >= 1). The sweeps are returned in
+`knobs`. Each policy's bound uses the staleness it may exploit: colocate is on-policy whatever
+eta is, so its bound uses eta = 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gyre_ray.scheduling.base import make_policy, policy_names
+from gyre_ray.scheduling.elastic import PREFETCH_MODES
+from gyre_ray.sim.bound import lower_bound
+from gyre_ray.sim.config import SimSection
+from gyre_ray.sim.engine import SimCosts, Simulator
+from gyre_ray.sim.timeline import SimResult
+from gyre_ray.sim.workload import SampledWorkload
+
+
+def costs_from(section: SimSection) -> SimCosts:
+    """The simulator's cost model from the `sim` config section."""
+    return SimCosts(
+        switch_to_train_s=section.switch_to_train_s,
+        switch_to_rollout_s=section.switch_to_rollout_s,
+        weight_sync_s=section.weight_sync_s,
+        migration_pause_s=section.migration_pause_s,
+        optimizer_step_s=section.optimizer_step_s,
+        grad_sync_s=section.grad_sync_s,
+        micro_step_s=section.micro_step_s,
+    )
+
+
+def effective_staleness(policy: str, staleness: int) -> int:
+    """The staleness a policy can exploit: colocate is always on-policy."""
+    return 0 if policy == "colocate" else staleness
+
+
+def run_policy(
+    wl: SampledWorkload,
+    policy: str,
+    n_cells: int,
+    staleness: int,
+    costs: SimCosts | None = None,
+    record: bool = False,
+    label: str = "",
+    **knobs,
+) -> SimResult:
+    """Simulate one policy (with its knobs) and fill in its lower bound."""
+    result = _run(wl, policy, n_cells, staleness, costs, record, label, math.inf, knobs)
+    assert result is not None
+    return result
+
+
+def _run(
+    wl: SampledWorkload,
+    policy: str,
+    n_cells: int,
+    staleness: int,
+    costs: SimCosts | None,
+    record: bool,
+    label: str,
+    give_up_after_s: float,
+    knobs: dict,
+) -> SimResult | None:
+    costs = costs or SimCosts()
+    eta = effective_staleness(policy, staleness)
+    result = Simulator(wl, make_policy(policy, **knobs), n_cells, eta, costs, record).run(give_up_after_s)
+    if result is None:
+        return None
+    result.lower_bound_s = lower_bound(wl, n_cells, eta, costs.optimizer_step_s).total_s
+    result.label = label or policy
+    result.knobs = dict(knobs)
+    return result
+
+
+def best_async(
+    wl: SampledWorkload,
+    n_cells: int,
+    staleness: int,
+    costs: SimCosts | None = None,
+    record: bool = False,
+    train_cells: int = 0,
+) -> SimResult:
+    """`async` with `train_cells` trainers, or (0) the best split found by simulating every one."""
+    if n_cells < 2:
+        raise ValueError(f"async needs at least 2 cells (one trainer, one rollout), got {n_cells}")
+    if train_cells:
+        return run_policy(wl, "async", n_cells, staleness, costs, record, train_cells=train_cells)
+    # Try splits nearest the training share of the work first; a split is cut short (None in the
+    # sweep) as soon as its clock passes the best makespan so far, since it cannot win.
+    rollout_cell_s = float((wl.duration_s * wl.demand).sum()) / wl.capacity_per_cell(n_cells)
+    train_cell_s = float(wl.train_cell_s(n_cells).sum())
+    guess = n_cells * train_cell_s / max(rollout_cell_s + train_cell_s, 1e-9)
+    sweep: dict[int, float | None] = {}
+    best: SimResult | None = None
+    for k in sorted(range(1, n_cells), key=lambda k: (abs(k - guess), k)):
+        limit = best.makespan_s if best else math.inf
+        result = _run(wl, "async", n_cells, staleness, costs, False, "", limit, {"train_cells": k})
+        sweep[k] = None if result is None else round(result.makespan_s, 3)
+        if result is not None and (best is None or result.makespan_s < best.makespan_s):
+            best = result
+    assert best is not None
+    sweep = dict(sorted(sweep.items()))
+    if record:
+        best = run_policy(wl, "async", n_cells, staleness, costs, True, **best.knobs)
+    best.knobs["sweep_makespan_s"] = sweep
+    return best
+
+
+def best_elastic(
+    wl: SampledWorkload,
+    n_cells: int,
+    staleness: int,
+    costs: SimCosts | None = None,
+    record: bool = False,
+    repay_factor: float = 1.0,
+    prefetch: str | None = None,
+) -> SimResult:
+    """`elastic` with `prefetch` as given, or (None) the faster of its prefetch modes."""
+    if prefetch is not None or staleness == 0:  # without prefetch the modes decide the same
+        mode = prefetch or PREFETCH_MODES[0]
+        return run_policy(
+            wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, prefetch=mode
+        )
+    runs = {
+        mode: run_policy(
+            wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, prefetch=mode
+        )
+        for mode in PREFETCH_MODES
+    }
+    best = min(runs.values(), key=lambda r: r.makespan_s)
+    best.knobs["sweep_makespan_s"] = {mode: round(r.makespan_s, 3) for mode, r in runs.items()}
+    return best
+
+
+def simulate(
+    wl: SampledWorkload,
+    policies: list[str],
+    n_cells: int,
+    staleness: int,
+    costs: SimCosts | None = None,
+    record: bool = False,
+    tune: bool = True,
+    async_train_cells: int = 0,
+    repay_factor: float = 1.0,
+    prefetch: str = "eager",
+) -> dict[str, SimResult]:
+    """Every named policy on the same workload, keyed by policy name (see the module docstring)."""
+    known = policy_names()
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        raise ValueError(f"unknown policy {', '.join(unknown)}; known: {', '.join(known)}")
+    results: dict[str, SimResult] = {}
+    for name in policies:
+        if name == "async":
+            split = 0 if tune and not async_train_cells else (async_train_cells or max(1, n_cells // 2))
+            results[name] = best_async(wl, n_cells, staleness, costs, record, split)
+        elif name == "elastic":
+            mode = None if tune else prefetch
+            results[name] = best_elastic(wl, n_cells, staleness, costs, record, repay_factor, mode)
+        else:
+            results[name] = run_policy(wl, name, n_cells, staleness, costs, record)
+    return results

@@ -1,0 +1,154 @@
+"""Recorded run traces: replay real execution start/end times in the simulator.
+
+A trace is JSONL (one object per line) or CSV (a header row) with one execution per record:
+- `start`, `end` (required): seconds (numbers) or ISO-8601 timestamps; duration = end - start.
+- `task` (optional): executions of one task form a group (their training work is queued when
+  the last one ends). Without it, consecutive records form groups of `group_size`.
+- `step` (optional, on every record or none): the RL step the execution belonged to. Simulated
+  step s replays recorded step s mod (number of recorded steps); without it, every simulated step
+  replays the whole trace.
+- `timed_out` (optional): true when the execution hit its timeout (reported only).
+Launch times are not replayed: the schedule decides them; only durations are.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gyre_ray.sim.workload import WorkloadError
+
+_FIELDS = ("start", "end", "task", "step", "timed_out")
+
+
+def _time_value(value: Any, field: str, where: str) -> float:
+    if isinstance(value, bool):
+        raise WorkloadError(f"{where}: field {field!r} must be seconds or an ISO-8601 time, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.strip():
+        text = value.strip()
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        try:
+            return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    raise WorkloadError(f"{where}: field {field!r} must be seconds or an ISO-8601 time, got {value!r}")
+
+
+def _bool_value(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no", ""):
+        return value.strip().lower() in ("true", "1", "yes")
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    raise WorkloadError(f"{where}: field 'timed_out' must be true/false, got {value!r}")
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    """Validated records `{"duration_s", "task", "step", "timed_out"}` in file order."""
+    if not path.is_file():
+        raise WorkloadError(f"trace file {path} not found")
+    raw: list[tuple[str, dict[str, Any]]] = []
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="") as handle:
+            reader = csv.DictReader(handle)
+            missing = [f for f in ("start", "end") if f not in (reader.fieldnames or [])]
+            if missing:
+                raise WorkloadError(f"{path}: CSV header lacks required column(s) {', '.join(missing)}")
+            for line_no, row in enumerate(reader, start=2):
+                raw.append((f"{path}:{line_no}", {k: v for k, v in row.items() if v not in (None, "")}))
+    else:
+        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise WorkloadError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise WorkloadError(f"{path}:{line_no}: each line must be a JSON object")
+            raw.append((f"{path}:{line_no}", obj))
+    if not raw:
+        raise WorkloadError(f"{path}: trace has no executions")
+    records = []
+    for where, obj in raw:
+        unknown = sorted(set(obj) - set(_FIELDS) - {"execution", "id"})
+        if unknown:
+            raise WorkloadError(
+                f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}"
+            )
+        for field in ("start", "end"):
+            if field not in obj:
+                raise WorkloadError(f"{where}: required field {field!r} is missing")
+        start = _time_value(obj["start"], "start", where)
+        end = _time_value(obj["end"], "end", where)
+        if end < start:
+            raise WorkloadError(f"{where}: field 'end' ({obj['end']!r}) is before 'start' ({obj['start']!r})")
+        step = obj.get("step")
+        if step is not None:
+            try:
+                step = int(step)
+            except (TypeError, ValueError):
+                raise WorkloadError(f"{where}: field 'step' must be an integer, got {step!r}") from None
+        records.append(
+            {
+                "duration_s": end - start,
+                "task": None if obj.get("task") is None else str(obj["task"]),
+                "step": step,
+                "timed_out": _bool_value(obj.get("timed_out", False), where),
+            }
+        )
+    with_step = sum(r["step"] is not None for r in records)
+    if 0 < with_step < len(records):
+        raise WorkloadError(
+            f"{path}: field 'step' is on {with_step} of {len(records)} records; give it on all or none"
+        )
+    return records
+
+
+def _groups_of(records: list[dict[str, Any]], group_size: int) -> list[list[dict[str, Any]]]:
+    if all(r["task"] is not None for r in records):
+        by_task: dict[str, list[dict[str, Any]]] = {}
+        for r in records:
+            by_task.setdefault(r["task"], []).append(r)
+        return list(by_task.values())
+    return [records[i : i + group_size] for i in range(0, len(records), group_size)]
+
+
+def replay_trace(path: Path, steps: int, group_size: int) -> tuple[np.ndarray, ...]:
+    """(duration_s, batch, group, timed_out) arrays for `steps` simulated steps replaying `path`."""
+    records = read_trace(path)
+    if records[0]["step"] is None:
+        recorded_steps = [records]
+    else:
+        by_step: dict[int, list[dict[str, Any]]] = {}
+        for r in records:
+            by_step.setdefault(r["step"], []).append(r)
+        recorded_steps = [by_step[s] for s in sorted(by_step)]
+    step_groups = [_groups_of(rs, group_size) for rs in recorded_steps]
+    durations, batches, groups, timed = [], [], [], []
+    group_id = 0
+    for s in range(steps):
+        for members in step_groups[s % len(step_groups)]:
+            for r in members:
+                durations.append(r["duration_s"])
+                batches.append(s)
+                groups.append(group_id)
+                timed.append(r["timed_out"])
+            group_id += 1
+    return (
+        np.asarray(durations, dtype=float),
+        np.asarray(batches, dtype=np.int64),
+        np.asarray(groups, dtype=np.int64),
+        np.asarray(timed, dtype=bool),
+    )

@@ -1,0 +1,259 @@
+"""Workload models: what a training run asks of the cluster, step by step.
+
+A `WorkloadSpec` describes one RL step's executions (tasks x group size), how long each runs,
+how much rollout capacity it holds, and how much training its budgeted trajectory tree costs.
+`sample_workload` draws `steps` batches from it (or replays a recorded trace) as flat arrays.
+
+Duration model (see docs/scheduling.md): d = min(D, T) with
+log D = mu + sigma * (sqrt(rho) Z_task + sqrt(1 - rho) Z_exec) in log hours, Z ~ N(0, 1);
+with probability `runaway_fraction` an execution runs away and hits the timeout T.
+Trajectories per execution: K = min(budget, 1 + floor(d / tau)).
+Training work is given for the whole cluster (seconds of all cells training one trajectory), so
+specs compare layouts at the same device budget: on C cells one trajectory costs C times that in
+cell-seconds. Rollout capacity is also given for the whole cluster and split evenly over cells.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class WorkloadError(ValueError):
+    """A workload file or trace is invalid; the message names the field and the limit."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DurationModel(_Strict):
+    """Lognormal execution durations with a per-task correlation and a timeout cap."""
+
+    mu_log_hours: float = Field(description="Mean of log duration (log hours).")
+    sigma_log_hours: float = Field(ge=0, description="Standard deviation of log duration (log hours).")
+    rho: float = Field(0.6, ge=0, le=1, description="Share of log-duration variance common to a task.")
+    timeout_hours: float = Field(gt=0, description="Wall-clock cap T: executions end (timed out) at T.")
+    runaway_fraction: float = Field(
+        0.0, ge=0, le=1, description="Probability that an execution runs away and hits the timeout."
+    )
+
+    def share_over(self, hours: float) -> float:
+        """P(d > hours) under this model (before runaways)."""
+        if hours >= self.timeout_hours:
+            return 0.0
+        z = (math.log(hours) - self.mu_log_hours) / max(self.sigma_log_hours, 1e-12)
+        return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+class TrajectoryModel(_Strict):
+    """How many trajectories an execution's tree keeps: K = min(budget, 1 + floor(d / tau))."""
+
+    tau_hours: float = Field(1.13, gt=0, description="Hours of execution per extra kept trajectory.")
+    budget: int = Field(5, ge=1, description="Most trajectories kept per execution.")
+
+
+class WorkloadSpec(_Strict):
+    """One RL step's worth of executions, and how to draw or replay them."""
+
+    name: str = Field("custom", description="Short name shown in tables.")
+    description: str = Field("", description="What the workload stands for.")
+    source: str = Field("", description="Where its parameters come from (paper figure, fit, trace).")
+    tasks_per_step: int = Field(64, ge=1, description="Distinct tasks per step.")
+    group_size: int = Field(
+        16, ge=1, description="Executions per task; a group's work is queued when all end."
+    )
+    duration: DurationModel | None = Field(None, description="Synthetic durations (or give `trace`).")
+    trace: str | None = Field(
+        None, description="JSONL/CSV of recorded executions (start, end[, task, step]); replaces duration."
+    )
+    trajectories: TrajectoryModel = Field(default_factory=TrajectoryModel, description="Tree budget.")
+    train_cluster_s_per_trajectory: float = Field(
+        gt=0, description="Seconds the whole cluster needs to train one kept trajectory."
+    )
+    capacity_executions: float | None = Field(
+        None, gt=0, description="Executions the whole cluster can host at once (default: one step's)."
+    )
+    demand_sigma: float = Field(
+        0.0, ge=0, description="Log-sd of per-execution model demand (mean 1); 0 = every execution 1 unit."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WorkloadSpec:
+        if (self.duration is None) == (self.trace is None):
+            raise ValueError("give exactly one of `duration` (synthetic) or `trace` (recorded run)")
+        return self
+
+    @property
+    def executions_per_step(self) -> int:
+        return self.tasks_per_step * self.group_size
+
+    @property
+    def cluster_capacity(self) -> float:
+        """Demand units the whole cluster hosts in the rollout role."""
+        return self.capacity_executions or float(self.executions_per_step)
+
+
+@dataclass
+class SampledWorkload:
+    """Executions of a whole run as flat arrays (index = execution id), ordered by batch then task.
+
+    Training work is in cluster-seconds; `train_cell_s(C)` converts it to cell-seconds on C cells.
+    """
+
+    spec: WorkloadSpec
+    steps: int
+    duration_s: np.ndarray  # float, per execution
+    batch: np.ndarray  # int, per execution
+    group: np.ndarray  # int, global group (task) id per execution
+    demand: np.ndarray  # float, per execution
+    trajectories: np.ndarray  # int, per execution
+    timed_out: np.ndarray  # bool, per execution
+
+    @property
+    def n_executions(self) -> int:
+        return int(self.duration_s.size)
+
+    @property
+    def n_groups(self) -> int:
+        return int(self.group.max()) + 1 if self.group.size else 0
+
+    def train_cell_s(self, n_cells: int) -> np.ndarray:
+        """Training work of each execution in cell-seconds when the cluster is split into `n_cells`."""
+        return self.trajectories * (self.spec.train_cluster_s_per_trajectory * n_cells)
+
+    def capacity_per_cell(self, n_cells: int) -> float:
+        return self.spec.cluster_capacity / n_cells
+
+
+def trajectories_for(duration_s: np.ndarray, model: TrajectoryModel) -> np.ndarray:
+    """K = min(budget, 1 + floor(d / tau)) for each duration."""
+    k = 1 + np.floor(duration_s / (model.tau_hours * 3600.0)).astype(np.int64)
+    return np.minimum(k, model.budget)
+
+
+def sample_workload(
+    spec: WorkloadSpec, steps: int, seed: int = 0, base_dir: Path | None = None
+) -> SampledWorkload:
+    """Draw `steps` batches from `spec` (or replay its trace, cycling its steps)."""
+    if steps < 1:
+        raise WorkloadError(f"steps must be >= 1, got {steps}")
+    rng = np.random.default_rng(seed)
+    if spec.trace is not None:
+        from gyre_ray.sim.traces import replay_trace
+
+        trace_path = Path(spec.trace)
+        if base_dir is not None and not trace_path.is_absolute():
+            trace_path = base_dir / trace_path
+        duration_s, batch, group, timed_out = replay_trace(trace_path, steps, spec.group_size)
+    else:
+        duration_s, batch, group, timed_out = _synthetic(spec, steps, rng)
+    n = duration_s.size
+    if spec.demand_sigma > 0:
+        s = spec.demand_sigma
+        demand = np.exp(rng.normal(-0.5 * s * s, s, n))
+        demand = np.minimum(demand, spec.cluster_capacity)  # one execution never outgrows the cluster
+    else:
+        demand = np.ones(n)
+    return SampledWorkload(
+        spec=spec,
+        steps=steps,
+        duration_s=duration_s,
+        batch=batch,
+        group=group,
+        demand=demand,
+        trajectories=trajectories_for(duration_s, spec.trajectories),
+        timed_out=timed_out,
+    )
+
+
+def _synthetic(spec: WorkloadSpec, steps: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    dur = spec.duration
+    assert dur is not None
+    g, n = spec.tasks_per_step, spec.group_size
+    z_task = rng.standard_normal((steps, g, 1))
+    z_exec = rng.standard_normal((steps, g, n))
+    log_h = dur.mu_log_hours + dur.sigma_log_hours * (
+        math.sqrt(dur.rho) * z_task + math.sqrt(1.0 - dur.rho) * z_exec
+    )
+    hours = np.exp(log_h).reshape(-1)
+    if dur.runaway_fraction > 0:
+        runaway = rng.random(hours.size) < dur.runaway_fraction
+        hours = np.where(runaway, dur.timeout_hours, hours)
+    timed_out = hours >= dur.timeout_hours
+    duration_s = np.minimum(hours, dur.timeout_hours) * 3600.0
+    batch = np.repeat(np.arange(steps), g * n)
+    group = np.repeat(np.arange(steps * g), n)
+    return duration_s, batch, group, timed_out
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = [f"invalid workload ({source}):"]
+    for item in err.errors():
+        key = ".".join(str(p) for p in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown field")
+        else:
+            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def spec_from_dict(data: dict[str, Any], source: str = "<dict>") -> WorkloadSpec:
+    """Validate a mapping as a workload; `extends: PRESET` starts from a preset and overrides fields."""
+    from gyre_ray.sim.presets import PRESETS
+
+    if not isinstance(data, dict):
+        raise WorkloadError(f"workload {source} must be a mapping of fields, got {type(data).__name__}")
+    data = dict(data)
+    base_name = data.pop("extends", None)
+    if base_name is not None:
+        if base_name not in PRESETS:
+            raise WorkloadError(
+                f"workload {source}: extends: unknown preset {base_name!r}; known: {', '.join(PRESETS)}"
+            )
+        merged = PRESETS[base_name].model_dump(exclude_none=True)
+        for key, value in data.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            else:
+                merged[key] = value
+        if "trace" in data:
+            merged.pop("duration", None)
+        data = merged
+    try:
+        return WorkloadSpec.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(_format_validation(exc, source)) from None
+
+
+def load_workload(name_or_path: str) -> tuple[WorkloadSpec, Path | None]:
+    """A preset by name, a workload YAML, or a bare trace (.jsonl/.csv); returns (spec, base folder)."""
+    from gyre_ray.sim.presets import PRESETS
+
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path], None
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".jsonl", ".csv"):
+        if not path.is_file():
+            raise WorkloadError(f"trace file {path} not found")
+        spec = spec_from_dict(
+            {"extends": "nl2repo", "name": path.stem, "trace": str(path.resolve())}, str(path)
+        )
+        return spec, None
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise WorkloadError(
+            f"workload {name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a .yaml/.yml/.jsonl/.csv file"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise WorkloadError(f"cannot read workload {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise WorkloadError(f"workload {path} is not valid YAML: {exc}") from exc
+    return spec_from_dict(data, str(path)), path.parent

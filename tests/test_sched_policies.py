@@ -1,0 +1,227 @@
+"""Scheduling policies on hand-built states: each rule of colocate, async and elastic, one test each."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gyre_ray.scheduling.base import can_place, make_policy, policy_names
+from gyre_ray.scheduling.state import (
+    CellState,
+    Execution,
+    Launch,
+    PendingExecution,
+    Role,
+    SchedState,
+    SwitchToRollout,
+    SwitchToTrain,
+)
+
+R, T = Role.ROLLOUT, Role.TRAIN
+
+
+def cell(i: int, role: Role = R, cap: float = 4, **kw) -> CellState:
+    return CellState(cell_id=i, role=role, rollout_capacity=cap, **kw)
+
+
+def state(
+    cells: list[CellState],
+    hosted: dict[int, int] | None = None,
+    pending: list[tuple[int, int]] | None = None,
+    version: int = 0,
+    eta: int = 0,
+    ready: float = 0.0,
+    unended: int | None = None,
+    steps: int = 10,
+    now: float = 100.0,
+) -> SchedState:
+    """A state; `hosted` maps cell id -> number of in-flight executions (demand 1, batch `version`),
+    `pending` lists (batch, count) of not-yet-launched executions (demand 1)."""
+    hosted = hosted or {}
+    in_flight, by_cell, next_id = {}, {c.cell_id: {} for c in cells}, 0
+    for cell_id, n in hosted.items():
+        for _ in range(n):
+            ex = Execution(next_id, version, 1.0, cell_id, 0.0, version)
+            in_flight[next_id] = by_cell[cell_id][next_id] = ex
+            next_id += 1
+    cells = [
+        replace(c, load=float(hosted.get(c.cell_id, 0)), n_executions=hosted.get(c.cell_id, 0)) for c in cells
+    ]
+    items, demand = [], {}
+    for batch, count in pending or []:
+        for _ in range(count):
+            items.append(PendingExecution(next_id, batch, 1.0))
+            next_id += 1
+        demand[batch] = demand.get(batch, 0.0) + count
+    if unended is None:
+        unended = len(in_flight) + int(demand.get(version, 0))
+    return SchedState(
+        now=now,
+        policy_version=version,
+        steps_total=steps,
+        staleness=eta,
+        cells=tuple(cells),
+        in_flight=in_flight,
+        in_flight_by_cell=by_cell,
+        pending=items,
+        pending_demand=demand,
+        ready_work_s=ready,
+        unended_in_trainable=unended,
+    )
+
+
+def of(kind, actions) -> list[int]:
+    return [a.cell_id for a in actions if isinstance(a, kind)]
+
+
+# ------------------------------------------------------------------ elastic
+
+
+def test_elastic_no_switch_when_remaining_cells_cannot_hold_in_flight() -> None:
+    s = state([cell(0), cell(1)], hosted={0: 3, 1: 2}, ready=1e4)  # 5 executions, one cell holds 4
+    assert of(SwitchToTrain, make_policy("elastic").decide(s)) == []
+
+
+def test_elastic_switches_once_remaining_cells_can_hold_in_flight() -> None:
+    s = state([cell(0), cell(1)], hosted={0: 2, 1: 2}, ready=1e4)
+    assert of(SwitchToTrain, make_policy("elastic").decide(s)) == [0]
+
+
+def test_elastic_core_switches_first_even_when_busier() -> None:
+    cells = [cell(i) for i in range(4)]
+    s = state(cells, hosted={0: 3, 1: 1, 2: 1, 3: 0}, ready=20.0)  # 20 s of work repays one switch only
+    assert of(SwitchToTrain, make_policy("elastic").decide(s)) == [0]
+
+
+def test_elastic_then_least_loaded_satellites_while_work_repays() -> None:
+    cells = [cell(0, T), cell(1), cell(2), cell(3)]
+    s = state(cells, hosted={1: 1, 2: 3, 3: 0}, ready=1e4)
+    # three satellites, four executions: two can leave (the emptiest first), one must stay
+    assert of(SwitchToTrain, make_policy("elastic").decide(s)) == [3, 1]
+
+
+def test_elastic_waits_when_queued_work_would_not_repay_the_switch() -> None:
+    cells = [cell(0, T, micro_step_until=101.0), cell(1), cell(2)]
+    s = state(cells, hosted={1: 1}, ready=5.0)  # 6 s of backlog for two trainers < 11.98 s of switching
+    assert of(SwitchToTrain, make_policy("elastic").decide(s)) == []
+    assert of(SwitchToTrain, make_policy("elastic", repay_factor=0.0).decide(s)) == [2]
+
+
+def test_elastic_first_trainer_goes_whatever_the_backlog() -> None:
+    s = state([cell(0), cell(1)], hosted={1: 1}, ready=1.0)
+    assert of(SwitchToTrain, make_policy("elastic").decide(s)) == [0]
+
+
+def test_elastic_satellites_join_the_step_in_progress() -> None:
+    cells = [cell(0, T, micro_step_until=160.0), cell(1), cell(2), cell(3)]
+    s = state(cells, hosted={1: 2, 2: 0, 3: 1}, pending=[], ready=600.0, version=3, unended=3)
+    joined = of(SwitchToTrain, make_policy("elastic").decide(s))
+    assert joined and 0 not in joined and set(joined) <= {1, 2, 3}
+    assert len(joined) == 2  # three executions need one rollout cell
+
+
+def test_elastic_returns_cells_when_demand_exceeds_capacity() -> None:
+    cells = [cell(0, T, micro_step_until=150.0), cell(1, T, micro_step_until=120.0), cell(2, T), cell(3)]
+    s = state(cells, hosted={3: 4}, pending=[(1, 4)], version=1, ready=0.0)
+    actions = make_policy("elastic").decide(s)
+    # four more executions need one more cell: the idle satellite comes back, the core keeps training
+    assert of(SwitchToRollout, actions) == [2]
+    s = state(cells, hosted={3: 4}, pending=[(1, 12)], version=1)
+    assert of(SwitchToRollout, make_policy("elastic").decide(s)) == [2, 1, 0]  # core last
+
+
+def test_elastic_counts_returns_already_requested() -> None:
+    cells = [cell(0, T), cell(1, T, micro_step_until=150.0, return_requested=True), cell(2)]
+    s = state(cells, hosted={2: 4}, pending=[(0, 4)])
+    assert of(SwitchToRollout, make_policy("elastic").decide(s)) == []
+
+
+def test_elastic_never_switches_out_while_cells_are_coming_back() -> None:
+    cells = [cell(0, R, switching_until=103.0), cell(1), cell(2)]
+    s = state(cells, hosted={1: 1}, ready=1e4)
+    assert of(SwitchToTrain, make_policy("elastic").decide(s)) == []
+
+
+@pytest.mark.parametrize("policy", ["colocate", "async", "elastic"])
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_launches_never_exceed_the_staleness_bound(policy: str, eta: int) -> None:
+    cells = [cell(0, T)] + [cell(i, cap=100) for i in range(1, 4)]
+    s = state(cells, pending=[(2, 3), (3, 3), (4, 3), (5, 3)], version=2, eta=eta)
+    launched = {a.exec_id for a in make_policy(policy).decide(s) if isinstance(a, Launch)}
+    batches = {p.batch for p in s.pending if p.exec_id in launched}
+    allowed = 0 if policy == "colocate" else eta
+    assert batches == set(range(2, 3 + allowed))
+
+
+def test_launches_respect_capacity_and_go_to_the_emptiest_cell() -> None:
+    s = state([cell(0, cap=4), cell(1, cap=4)], hosted={0: 3}, pending=[(0, 6)])
+    launches = [a for a in make_policy("elastic").decide(s) if isinstance(a, Launch)]
+    per_cell = {c: sum(a.cell_id == c for a in launches) for c in (0, 1)}
+    assert per_cell == {0: 1, 1: 4}
+
+
+def test_spare_prefetch_keeps_busy_trainers_training() -> None:
+    cells = [cell(0, T, micro_step_until=150.0), cell(1), cell(2)]
+    s = state(cells, hosted={1: 2}, pending=[(1, 20)], version=0, eta=1, ready=300.0, unended=2)
+    eager = make_policy("elastic", prefetch="eager").decide(s)
+    spare = make_policy("elastic", prefetch="spare").decide(s)
+    assert of(SwitchToRollout, eager) == [0]  # eager: the later batch pulls the trainer back
+    # spare: the trainer keeps training, the empty satellite joins it, prefetch fills the room left
+    assert of(SwitchToRollout, spare) == [] and of(SwitchToTrain, spare) == [2]
+    assert of(Launch, spare) == [1, 1]
+
+
+def test_decide_is_pure() -> None:
+    s = state([cell(0), cell(1), cell(2)], hosted={0: 1, 1: 1}, pending=[(0, 3), (1, 2)], eta=1, ready=1e3)
+    for name in policy_names():
+        policy = make_policy(name, train_cells=1) if name == "async" else make_policy(name)
+        assert policy.decide(s) == policy.decide(s)
+
+
+# ----------------------------------------------------------------- colocate
+
+
+def test_colocate_waits_for_the_last_execution() -> None:
+    s = state([cell(0), cell(1)], hosted={1: 1}, ready=1e4)
+    assert of(SwitchToTrain, make_policy("colocate").decide(s)) == []
+
+
+def test_colocate_all_cells_train_when_the_batch_has_ended() -> None:
+    s = state([cell(0), cell(1), cell(2)], ready=100.0, unended=0)
+    assert of(SwitchToTrain, make_policy("colocate").decide(s)) == [0, 1, 2]
+
+
+def test_colocate_all_cells_come_back_for_the_next_batch() -> None:
+    cells = [cell(0, T), cell(1, T, micro_step_until=200.0)]
+    s = state(cells, pending=[(1, 8)], version=1)
+    assert of(SwitchToRollout, make_policy("colocate").decide(s)) == [0, 1]
+
+
+# -------------------------------------------------------------------- async
+
+
+def test_async_split_is_fixed() -> None:
+    policy = make_policy("async", train_cells=2)
+    assert policy.initial_roles(5) == [T, T, R, R, R]
+    cells = [cell(0, T), cell(1, T), cell(2), cell(3), cell(4)]
+    s = state(cells, hosted={2: 4}, pending=[(0, 30)], ready=1e4, eta=1)
+    actions = policy.decide(s)
+    assert not of(SwitchToTrain, actions) and not of(SwitchToRollout, actions)
+    assert set(of(Launch, actions)) == {3, 4}
+
+
+def test_async_split_must_leave_both_roles() -> None:
+    with pytest.raises(ValueError, match="train_cells=4"):
+        make_policy("async", train_cells=4).initial_roles(4)
+
+
+def test_unknown_policy_lists_known_ones() -> None:
+    with pytest.raises(ValueError, match="known: async, colocate, elastic"):
+        make_policy("round-robin")
+
+
+def test_can_place_packs_unequal_demands() -> None:
+    assert can_place([2, 2, 1], [3, 2])
+    assert not can_place([2, 2, 2], [3, 3])
+    assert can_place([1] * 6, [3.0, 3.0]) and not can_place([1] * 7, [3.0, 3.0])

@@ -1,0 +1,107 @@
+"""`gyre-ray simulate` and `gyre-ray plan`: table, JSON, plot, recommendations and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.cli import build_parser, main
+
+SMALL = """\
+extends: nl2repo
+name: small
+tasks_per_step: 4
+group_size: 4
+"""
+
+
+@pytest.fixture()
+def small(tmp_path: Path) -> str:
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL)
+    return str(path)
+
+
+def test_simulate_and_plan_are_registered() -> None:
+    text = build_parser().format_help()
+    assert "simulate" in text and "plan" in text
+
+
+def test_simulate_json_has_every_policy_with_the_documented_fields(small: str, capsys) -> None:
+    code = main(
+        ["simulate", "--workload", small, "--steps", "3", "--cells", "4", "--staleness", "1", "--json"]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["policies"]) == {"colocate", "async", "elastic"}
+    for row in report["policies"].values():
+        assert {"makespan_s", "lower_bound_s", "utilization", "mean_staleness", "switches"} <= set(row)
+        assert row["makespan_s"] >= row["lower_bound_s"] > 0
+        assert 0 < row["utilization"] <= 1
+    assert report["policies"]["colocate"]["mean_staleness"] == 0
+    assert report["policies"]["async"]["switches"] == 0
+    assert set(report["policies"]["async"]["knobs"]["sweep_makespan_s"]) == {"1", "2", "3"}
+    elastic = report["policies"]["elastic"]["makespan_s"]
+    colocate = report["policies"]["colocate"]["makespan_s"]
+    assert report["speedups"]["elastic_vs_colocate"] == pytest.approx(colocate / elastic, rel=1e-3)
+
+
+def test_simulate_table_and_plot(small: str, tmp_path: Path, capsys) -> None:
+    png = tmp_path / "timeline.png"
+    args = ["--steps", "2", "--cells", "3", "--policies", "colocate,elastic", "--plot", str(png)]
+    code = main(["simulate", "--workload", small, *args])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "colocate" in out and "elastic" in out and "async" not in out.split("\n", 2)[2]
+    assert "elastic vs colocate" in out and f"wrote {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_simulate_reads_knobs_from_config_overrides(small: str, capsys) -> None:
+    args = ["simulate", "--workload", small, "--steps", "2", "--cells", "4", "--policies", "async", "--json"]
+    assert main([*args, "sim.tune_knobs=false", "scheduler.async_train_cells=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["policies"]["async"]["knobs"] == {"train_cells": 3}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--workload", "nope"], "not a preset"),
+        (["--policies", "colocate,fifo"], "unknown policy fifo"),
+        (["--cells", "1", "--policies", "async"], "async needs --cells >= 2"),
+        (["--steps", "0"], "--steps >= 1"),
+    ],
+)
+def test_simulate_errors_are_clear(small: str, args: list[str], message: str, capsys) -> None:
+    base = ["simulate", "--steps", "1", "--cells", "2"]
+    if "--workload" not in args:
+        base += ["--workload", small]
+    assert main([*base, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simulate_rejects_bad_config_keys(small: str, capsys) -> None:
+    assert main(["simulate", "--workload", small, "sim.weight_sink_s=1"]) == 2
+    assert "sim.weight_sink_s: unknown key" in capsys.readouterr().err
+
+
+def test_plan_sweeps_cell_sizes_and_recommends_one(small: str, capsys) -> None:
+    args = ["plan", "--workload", small, "--nodes", "8", "--steps", "2", "--min-cell-nodes", "2", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    sizes = sorted(x["cell_nodes"] for x in report["layouts"])
+    assert sizes == [2, 4]  # 8 nodes: cells of 2 (4 cells) or 4 (2 cells); 1-node cells are too small
+    fastest = min(report["layouts"], key=lambda x: x["makespan_s"])
+    assert report["recommended"]["8"]["makespan_s"] <= fastest["makespan_s"] * 1.01
+    assert all(x["makespan_s"] >= x["lower_bound_s"] for x in report["layouts"])
+
+
+def test_plan_table_and_errors(small: str, capsys) -> None:
+    assert main(["plan", "--workload", small, "--nodes", "4", "--steps", "1"]) == 0
+    assert "recommended for 4 nodes" in capsys.readouterr().out
+    assert main(["plan", "--workload", small, "--nodes", "4", "--cell-nodes", "3"]) == 2
+    assert "do not divide 4 nodes" in capsys.readouterr().err
+    assert main(["plan", "--workload", small, "--nodes", "4", "--min-cell-nodes", "4"]) == 2
+    assert "min_cell_nodes" in capsys.readouterr().err
