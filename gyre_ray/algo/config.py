@@ -12,7 +12,17 @@ from gyre_ray.configbase import Section
 class AlgoSection(Section):
     """GSPO settings (defaults follow the GSPO paper and the reference design)."""
 
-    name: Literal["gspo"] = Field("gspo", description="Objective.")
+    name: Literal["gspo"] = Field("gspo", description="Objective, looked up by name in gyre_ray.algo.")
     group_size: int = Field(16, ge=1, description="Executions per task whose rewards form one group.")
-    clip_low: float = Field(3e-4, ge=0, description="Lower clip range of the sequence importance ratio.")
-    clip_high: float = Field(4e-4, ge=0, description="Upper clip range of the sequence importance ratio.")
+    clip_low: float = Field(
+        3e-4, ge=0, lt=1, description="Lower clip range of the sequence importance ratio (1 - clip_low)."
+    )
+    clip_high: float = Field(
+        4e-4, ge=0, description="Upper clip range of the sequence importance ratio (1 + clip_high)."
+    )
+    normalize_std: bool = Field(
+        True, description="Divide group-centred rewards by the group's standard deviation."
+    )
+    advantage_eps: float = Field(
+        1e-6, gt=0, description="Added to the group standard deviation before dividing."
+    )

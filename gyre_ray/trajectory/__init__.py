@@ -1,0 +1,1 @@
+"""Trajectory processing: call records -> prefix tree -> selected paths -> packed training samples."""

@@ -1,0 +1,144 @@
+"""`gyre-ray traj show RECORDS.jsonl [--budget N] [--json]`: an execution's call tree in the terminal.
+
+Shows each execution's prefix tree (token and loss-token counts per node, the calls that end there
+with their roles) and, at every leaf, the path's role and whether the budget keeps it. `--json`
+prints the token figures (summed over executions at the top level, per execution under
+`executions`): paths_total, paths_selected, tokens_expanded_all, tokens_packed_all,
+tokens_expanded_selected, tokens_packed_selected, loss_tokens_selected and more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+SUMMED_KEYS = (
+    "calls",
+    "paths_total",
+    "paths_selected",
+    "tokens_expanded_all",
+    "tokens_packed_all",
+    "tokens_expanded_selected",
+    "tokens_packed_selected",
+    "loss_tokens_all",
+    "loss_tokens_selected",
+    "drift_remapped",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    traj = subparsers.add_parser("traj", help="inspect recorded trajectories (call trees)")
+    actions = traj.add_subparsers(dest="traj_command", metavar="ACTION")
+    show = actions.add_parser("show", help="show each execution's call tree and which paths are trained on")
+    show.add_argument("records", help="JSONL file of call records (one per line)")
+    show.add_argument("--budget", type=int, default=None, help="paths kept per execution (default: config)")
+    show.add_argument(
+        "--tie-break", choices=("longest", "latest", "earliest"), default=None, help="order within a role"
+    )
+    show.add_argument("--execution", default=None, help="only this execution id")
+    show.add_argument("--vocab-size", type=int, default=None, help="reject token ids >= this")
+    show.add_argument("--json", action="store_true", help="print token figures as JSON")
+    show.set_defaults(handler=_show)
+    traj.set_defaults(handler=lambda args: _usage(traj))
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _path_rows(processed: Any) -> list[dict[str, Any]]:
+    rank = {id(p): r for r, p in enumerate(processed.selected, start=1)}
+    return [
+        {
+            "path": p.index,
+            "role": p.role,
+            "tokens": p.num_tokens,
+            "loss_tokens": p.num_loss_tokens,
+            "calls": [processed.tree.calls[c].call_id for c in p.calls],
+            "selected": id(p) in rank,
+            "rank": rank.get(id(p)),
+        }
+        for p in processed.paths
+    ]
+
+
+def render_tree(processed: Any) -> str:
+    """The tree as indented text: one line per node, leaves annotated with their path."""
+    tree, roles = processed.tree, processed.roles
+    rows = {row["path"]: row for row in _path_rows(processed)}
+    leaf_path = {p.leaf.id: p.index for p in processed.paths}
+    ends: dict[int, list[int]] = {}
+    for call, (node, _) in tree.call_ends().items():
+        ends.setdefault(node.id, []).append(call)
+    lines: list[str] = []
+
+    def visit(node: Any, prefix: str, last: bool) -> None:
+        label = f"{len(node.tokens)} tok, {sum(node.loss)} loss"
+        calls = sorted(ends.get(node.id, []))
+        if calls:
+            label += "  calls " + " ".join(f"{tree.calls[c].call_id}({roles[c]})" for c in calls)
+        if node.id in leaf_path:
+            row = rows[leaf_path[node.id]]
+            mark = f"selected #{row['rank']}" if row["selected"] else "dropped"
+            label += f"  => path {row['path']} {row['role']}, {row['tokens']} tok, {row['loss_tokens']} loss [{mark}]"
+        lines.append(f"{prefix}{'└── ' if last else '├── '}{label}")
+        kids = sorted(node.children.values(), key=lambda n: n.id)
+        for k, child in enumerate(kids):
+            visit(child, prefix + ("    " if last else "│   "), k == len(kids) - 1)
+
+    tops = sorted(tree.root.children.values(), key=lambda n: n.id)
+    for k, top in enumerate(tops):
+        visit(top, "", k == len(tops) - 1)
+    return "\n".join(lines)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from gyre_ray.trajectory.config import TrajectorySection
+    from gyre_ray.trajectory.pipeline import process_execution
+    from gyre_ray.trajectory.records import RecordError, group_by_execution, read_jsonl
+
+    if args.budget is not None and args.budget < 1:
+        print(f"gyre-ray traj show: --budget must be an integer >= 1, got {args.budget}", file=sys.stderr)
+        return 2
+    defaults = TrajectorySection()
+    cfg = TrajectorySection(
+        budget=args.budget if args.budget is not None else defaults.budget,
+        tie_break=args.tie_break or defaults.tie_break,
+    )
+    try:
+        executions = group_by_execution(read_jsonl(args.records, args.vocab_size))
+    except OSError as exc:
+        print(f"gyre-ray traj show: cannot read {args.records}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except RecordError as exc:
+        print(f"gyre-ray traj show: {exc}", file=sys.stderr)
+        return 2
+    if args.execution is not None:
+        if args.execution not in executions:
+            known = ", ".join(sorted(executions)) or "none"
+            print(f"gyre-ray traj show: no execution {args.execution!r} (have: {known})", file=sys.stderr)
+            return 2
+        executions = {args.execution: executions[args.execution]}
+    processed = [process_execution(records, cfg) for records in executions.values()]
+    if args.json:
+        per_execution = [{**p.stats(), "paths": _path_rows(p)} for p in processed]
+        totals = {k: sum(e[k] for e in per_execution) for k in SUMMED_KEYS}
+        print(json.dumps({**totals, "budget": cfg.budget, "executions": per_execution}, indent=2))
+        return 0
+    for p in processed:
+        s = p.stats()
+        roles = ", ".join(f"{r} {n}" for r, n in s["call_roles"].items())
+        print(
+            f"execution {s['execution_id']}: {s['calls']} calls ({roles}); "
+            f"{s['paths_selected']} of {s['paths_total']} paths selected (budget {cfg.budget})"
+        )
+        print(
+            f"  tokens: expanded all {s['tokens_expanded_all']}, packed all {s['tokens_packed_all']}, "
+            f"expanded selected {s['tokens_expanded_selected']}, packed selected {s['tokens_packed_selected']}, "
+            f"loss selected {s['loss_tokens_selected']}"
+        )
+        print(render_tree(p))
+    return 0

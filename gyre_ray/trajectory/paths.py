@@ -1,0 +1,101 @@
+"""Root-to-leaf paths of a call tree, their roles, and the budgeted selection of which to train on.
+
+A path's role is the highest-priority role among the calls that end on it
+(main > main-summary > sub-agent > sub-agent-summary). The *main path* (the one holding the last
+main call to finish) is always kept; the other paths follow by role priority, then by the
+configured tie-break, until `budget` paths are chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gyre_ray.trajectory.roles import ROLE_PRIORITY
+from gyre_ray.trajectory.tree import CallTree, Node
+
+TIE_BREAKS = ("longest", "latest", "earliest")
+
+
+@dataclass(eq=False)
+class TreePath:
+    """One root-to-leaf path: its nodes, the calls that end on it, and its role."""
+
+    index: int
+    nodes: list[Node]
+    calls: list[int]
+    role: str
+    num_tokens: int
+    num_loss_tokens: int
+    t_start: float
+    t_end: float
+
+    @property
+    def leaf(self) -> Node:
+        return self.nodes[-1]
+
+
+def tree_paths(tree: CallTree, roles: list[str]) -> list[TreePath]:
+    """Every root-to-leaf path of `tree`, in depth-first order; `roles` is one role per call."""
+    if len(roles) != len(tree.calls):
+        raise ValueError(f"got {len(roles)} roles for {len(tree.calls)} calls")
+    ends_at: dict[int, list[int]] = {}
+    for call, (node, _) in tree.call_ends().items():
+        ends_at.setdefault(node.id, []).append(call)
+    paths = []
+    for index, leaf in enumerate(tree.leaves()):
+        nodes = leaf.ancestors()
+        calls = sorted(c for node in nodes for c in ends_at.get(node.id, []))
+        role = min((roles[c] for c in calls), key=lambda r: ROLE_PRIORITY.get(r, len(ROLE_PRIORITY)))
+        paths.append(
+            TreePath(
+                index=index,
+                nodes=nodes,
+                calls=calls,
+                role=role,
+                num_tokens=leaf.end_depth,
+                num_loss_tokens=sum(sum(node.loss) for node in nodes),
+                t_start=min(tree.calls[c].t_start for c in calls),
+                t_end=max(tree.calls[c].t_end for c in calls),
+            )
+        )
+    return paths
+
+
+def main_path(paths: list[TreePath], tree: CallTree, roles: list[str]) -> TreePath:
+    """The path holding the main agent's last call (by end time); if no call is `main`, the best-role,
+    latest-ending path."""
+    if not paths:
+        raise ValueError("an execution without calls has no main path")
+    mains = [c for c, r in enumerate(roles) if r == "main"]
+    if mains:
+        last = max(mains, key=lambda c: (tree.calls[c].t_end, tree.calls[c].t_start, c))
+        return next(p for p in paths if last in p.calls)
+    return min(paths, key=lambda p: (ROLE_PRIORITY.get(p.role, 9), -p.t_end, p.index))
+
+
+def _tie_key(path: TreePath, tie_break: str) -> tuple:
+    if tie_break == "longest":
+        return (-path.num_loss_tokens, -path.num_tokens, path.index)
+    if tie_break == "latest":
+        return (-path.t_end, path.index)
+    if tie_break == "earliest":
+        return (path.t_start, path.index)
+    raise ValueError(f"tie_break must be one of {', '.join(TIE_BREAKS)}, got {tie_break!r}")
+
+
+def select_paths(
+    paths: list[TreePath], tree: CallTree, roles: list[str], budget: int = 5, tie_break: str = "longest"
+) -> list[TreePath]:
+    """At most `budget` paths: the main path first, then by role priority and `tie_break`."""
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if tie_break not in TIE_BREAKS:
+        raise ValueError(f"tie_break must be one of {', '.join(TIE_BREAKS)}, got {tie_break!r}")
+    if not paths:
+        return []
+    first = main_path(paths, tree, roles)
+    rest = sorted(
+        (p for p in paths if p is not first),
+        key=lambda p: (ROLE_PRIORITY.get(p.role, len(ROLE_PRIORITY)), *_tie_key(p, tie_break)),
+    )
+    return [first, *rest[: budget - 1]]

@@ -1,0 +1,74 @@
+"""`gyre-ray traj show`: the tree with roles, token counts and selected paths; `--json` token figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.cli import main
+from gyre_ray.trajectory.pipeline import process_execution
+from gyre_ray.trajectory.records import write_jsonl
+from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_execution
+
+WORKLOAD = SyntheticWorkload(system_tokens=16, task_tokens=4, subagent_system_tokens=8, segments=(2, 2),
+                             max_subagents=6, unknown_roles=True)  # fmt: skip
+REQUIRED = ("paths_total", "paths_selected", "tokens_expanded_all", "tokens_packed_all",
+            "tokens_expanded_selected", "tokens_packed_selected", "loss_tokens_selected")  # fmt: skip
+
+
+@pytest.fixture
+def records_file(tmp_path: Path) -> tuple[Path, dict]:
+    records = {e: synthetic_execution(e, seed, WORKLOAD)[0] for e, seed in (("a", 4), ("b", 5))}
+    path = tmp_path / "records.jsonl"
+    write_jsonl(path, [r for rs in records.values() for r in rs])
+    return path, records
+
+
+def test_json_has_the_token_figures_per_execution_and_in_total(records_file, capsys) -> None:
+    path, records = records_file
+    assert main(["traj", "show", str(path), "--json", "--budget", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in REQUIRED:
+        assert out[key] == sum(e[key] for e in out["executions"])
+    for e in out["executions"]:
+        expected = process_execution(records[e["execution_id"]]).stats()
+        assert e["paths_total"] == expected["paths_total"] > 2
+        assert e["paths_selected"] == 2 and sum(p["selected"] for p in e["paths"]) == 2
+        assert e["tokens_expanded_all"] == expected["tokens_expanded_all"] > e["tokens_packed_all"]
+        assert e["tokens_packed_selected"] <= e["tokens_expanded_selected"]
+        assert e["paths"][0]["role"] and set(e["call_roles"]) <= {
+            "main",
+            "main-summary",
+            "sub-agent",
+            "sub-agent-summary",
+        }
+
+
+def test_text_view_shows_roles_counts_and_selection(records_file, capsys) -> None:
+    path, records = records_file
+    assert main(["traj", "show", str(path), "--execution", "a", "--budget", "3"]) == 0
+    text = capsys.readouterr().out
+    proc = process_execution(records["a"])
+    assert text.startswith(f"execution a: {len(records['a'])} calls")
+    assert f"3 of {len(proc.paths)} paths selected (budget 3)" in text
+    assert text.count("[selected #") == 3 and text.count("[dropped]") == len(proc.paths) - 3
+    assert "(main)" in text and "(sub-agent)" in text and "main-summary" in text
+    assert f"{proc.tree.num_tokens}" in text and " loss" in text
+
+
+def test_bad_input_exits_2_with_a_reason(tmp_path: Path, records_file, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"execution_id": "x"}\n')
+    assert main(["traj", "show", str(bad)]) == 2
+    assert "bad.jsonl:1: call record is missing field(s)" in capsys.readouterr().err
+    assert main(["traj", "show", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    path, _ = records_file
+    assert main(["traj", "show", str(path), "--execution", "zzz"]) == 2
+    assert "no execution 'zzz' (have: a, b)" in capsys.readouterr().err
+    assert main(["traj", "show", str(path), "--budget", "0"]) == 2
+    assert "--budget must be an integer >= 1" in capsys.readouterr().err
+    assert main(["traj", "show", str(path), "--vocab-size", "100"]) == 2
+    assert "outside the vocabulary (vocab_size 100)" in capsys.readouterr().err
