@@ -91,4 +91,3 @@ def run_step_executions(
             finished = sum(o is not None for o in outcomes)
             progress.update(finished, note=f"{len(pending)} running")
     return [o for o in outcomes if o is not None]
-

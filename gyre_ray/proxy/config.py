@@ -1,4 +1,4 @@
-"""Config section `proxy`: the agent-facing HTTP API."""
+"""Config section `proxy`: the agent-facing HTTP API, its limits, its cells and its trajectory store."""
 
 from __future__ import annotations
 
@@ -13,3 +13,43 @@ class ProxySection(Section):
     host: str = Field("127.0.0.1", description="Address the proxy listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port the proxy listens on (0: any free port).")
     max_concurrent_per_execution: int = Field(8, ge=1, description="Concurrent model calls per execution.")
+    queue_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a call waits for a free per-execution slot or a routable cell before a 429/503.",
+    )
+    num_cells: int = Field(
+        2, ge=1, description="Rollout cells `gyre-ray serve` starts (one placement group each)."
+    )
+    cpus_per_cell: float = Field(
+        1.0, gt=0, description="CPUs reserved by each cell's placement group bundle."
+    )
+    num_replicas: int = Field(1, ge=1, description="Proxy (Serve) replicas; routing state is per replica.")
+    admin_token: str | None = Field(
+        None, description="Token for the /gyre admin API; a random one is generated when unset."
+    )
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above it)."
+    )
+    max_tokens_ceiling: int = Field(
+        1 << 20,
+        ge=1,
+        description="max_tokens above this is rejected with a 400; below it, max_tokens is capped to the context.",
+    )
+    max_output_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most tokens generated per call whatever the request asks (None: up to the context).",
+    )
+    default_max_tokens: int = Field(
+        1024, ge=1, description="Completion budget when an OpenAI request gives no max_tokens."
+    )
+    records_dir: str = Field(
+        "runs/records", description="Folder where finished (or evicted) executions spill as JSONL."
+    )
+    store_max_records: int = Field(
+        20_000, ge=1, description="Call records the trajectory store keeps in memory before spilling to disk."
+    )
+    request_timeout_s: float = Field(
+        3600.0, gt=0, description="Longest a single model call may run before it is aborted."
+    )

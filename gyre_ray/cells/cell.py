@@ -1,0 +1,222 @@
+"""A rollout cell: one actor hosting a rollout engine, able to hand its in-flight requests to another cell.
+
+`RolloutCell` is plain Python (run in-process by tests, or as a Ray actor by `CellPool`). Its streams
+yield `TokenBatch`es (every token event available at that moment, so a remote caller pays one hop per
+batch, not per token) and end in one of: the engine's final event, `Migrated(state)` (the cell was
+drained: continue the request elsewhere from `state` with `resume`), `Refused` (the cell is draining
+and took no new work) or `Failed` (the engine refused the request; nothing was generated).
+The full dual-role cell (rollout <-> training) extends this class; `role` reports which is active.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre_ray.engines.base import EngineInputError, GenerateRequest, KVState, RolloutEngine, TokenEvent
+
+EngineFactory = Callable[[], RolloutEngine]
+
+
+@dataclass
+class TokenBatch:
+    events: list[TokenEvent]
+    engine_seconds: float | None = None  # on the batch that ends the request: its time in this cell
+
+
+@dataclass
+class Migrated:
+    state: KVState
+    engine_seconds: float = 0.0
+
+
+@dataclass
+class Refused:
+    reason: str
+
+
+@dataclass
+class Failed:
+    kind: str  # "input": the request is invalid for this engine; "engine": the engine failed
+    message: str
+
+
+CellEvent = TokenBatch | Migrated | Refused | Failed
+_END = object()
+
+
+@dataclass
+class _InFlight:
+    rid: str
+    queue: asyncio.Queue
+    exporting: bool = False
+    state: KVState | None = None
+    exported: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RolloutCell:
+    """Hosts one rollout engine; streams, aborts, drains (exporting KV) and resumes requests."""
+
+    def __init__(self, cell_id: str, engine_factory: EngineFactory, torch_threads: int | None = None) -> None:
+        self.cell_id = cell_id
+        self.engine_factory = engine_factory
+        self.torch_threads = torch_threads
+        self.engine: RolloutEngine | None = None
+        self.draining = False
+        self._inflight: dict[str, _InFlight] = {}
+        self._migrated_out = 0
+        self._resumed_in = 0
+
+    async def setup(self) -> dict[str, Any]:
+        """Build the engine (heavy: loads the model); returns `status()`."""
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+        if self.engine is None:
+            self.engine = self.engine_factory()
+        return self.status()
+
+    @property
+    def role(self) -> str:
+        return "rollout"
+
+    def status(self) -> dict[str, Any]:
+        """Cell id, role, drain state, in-flight count and the engine's counters."""
+        return {
+            "cell_id": self.cell_id,
+            "role": self.role,
+            "draining": self.draining,
+            "inflight": len(self._inflight),
+            "migrated_out": self._migrated_out,
+            "resumed_in": self._resumed_in,
+            "engine": self.engine.stats() if self.engine is not None else {},
+        }
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[CellEvent]:
+        """Stream a new request."""
+        if self.draining:
+            yield Refused(f"cell {self.cell_id} is draining")
+            return
+        async for event in self._serve(request.rid, lambda: self._engine().stream(request)):
+            yield event
+
+    async def resume(self, state: KVState) -> AsyncIterator[CellEvent]:
+        """Continue a request exported by another cell, from its KV state (no prefix recompute)."""
+        if self.draining:
+            yield Refused(f"cell {self.cell_id} is draining")
+            return
+        self._resumed_in += 1
+        async for event in self._serve(state.rid, lambda: self._engine().import_kv(state)):
+            yield event
+
+    async def generate_all(self, request: GenerateRequest) -> list[CellEvent]:
+        """`generate` collected into one reply (one remote call instead of one object per batch)."""
+        return [event async for event in self.generate(request)]
+
+    async def resume_all(self, state: KVState) -> list[CellEvent]:
+        """`resume` collected into one reply."""
+        return [event async for event in self.resume(state)]
+
+    async def abort(self, rid: str) -> bool:
+        """Stop a request (its caller went away); True if it was running here."""
+        if rid not in self._inflight:
+            return False
+        with contextlib.suppress(Exception):
+            await self._engine().abort(rid)
+        return True
+
+    async def drain(self) -> int:
+        """Stop taking requests and hand every in-flight one back as `Migrated`; returns how many moved."""
+        self.draining = True
+        moved = await asyncio.gather(*(self._export(f) for f in list(self._inflight.values())))
+        return sum(moved)
+
+    async def undrain(self) -> None:
+        """Take requests again."""
+        self.draining = False
+
+    def close(self) -> None:
+        """Stop the engine's background work, if it has any (the torch engine's loop thread)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _engine(self) -> RolloutEngine:
+        if self.engine is None:
+            raise RuntimeError(f"cell {self.cell_id} has no engine: call setup() first")
+        return self.engine
+
+    async def _export(self, flight: _InFlight) -> int:
+        flight.exporting = True
+        try:
+            flight.state = await self._engine().export_kv(flight.rid)
+        except Exception:  # finished (or never started) meanwhile: it simply completes here
+            flight.exporting = False
+            return 0
+        finally:
+            flight.exported.set()
+        self._migrated_out += 1
+        flight.queue.put_nowait(_END)
+        return 1
+
+    async def _serve(
+        self, rid: str, open_stream: Callable[[], AsyncIterator[TokenEvent]]
+    ) -> AsyncIterator[CellEvent]:
+        if rid in self._inflight:
+            yield Failed("input", f"request id {rid!r} is already in flight on cell {self.cell_id}")
+            return
+        flight = _InFlight(rid, asyncio.Queue())
+        self._inflight[rid] = flight
+        started = time.perf_counter()
+        pump = asyncio.create_task(self._pump(flight, open_stream))
+        finished = False
+        try:
+            while not finished:
+                items = [await flight.queue.get()]
+                while not flight.queue.empty():
+                    items.append(flight.queue.get_nowait())
+                events: list[TokenEvent] = []
+                failure: Failed | None = None
+                for item in items:
+                    if item is _END:
+                        finished = True
+                    elif isinstance(item, Failed):
+                        failure = item
+                    elif not (flight.exporting and item.finish_reason == "abort"):
+                        events.append(item)
+                if events:
+                    final = events[-1].finish_reason is not None
+                    yield TokenBatch(events, time.perf_counter() - started if final else None)
+                if failure is not None and not flight.exporting:
+                    yield failure
+                    return
+            if flight.exporting:
+                await flight.exported.wait()
+                if flight.state is not None:
+                    yield Migrated(flight.state, time.perf_counter() - started)
+        finally:
+            self._inflight.pop(rid, None)
+            if not pump.done():
+                pump.cancel()
+                if not flight.exporting:
+                    with contextlib.suppress(Exception):
+                        await self._engine().abort(rid)
+
+    async def _pump(self, flight: _InFlight, open_stream: Callable[[], AsyncIterator[TokenEvent]]) -> None:
+        try:
+            async for event in open_stream():
+                flight.queue.put_nowait(event)
+        except EngineInputError as exc:
+            flight.queue.put_nowait(Failed("input", str(exc)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            flight.queue.put_nowait(Failed("engine", f"{type(exc).__name__}: {exc}"))
+        finally:
+            flight.queue.put_nowait(_END)

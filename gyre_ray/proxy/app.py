@@ -1,0 +1,211 @@
+"""The proxy's HTTP surface: a FastAPI app over a `ProxyService` (model APIs, admin API, errors).
+
+Model APIs (an execution's API key as `Authorization: Bearer` or `x-api-key`):
+  POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+  POST /v1/messages, POST /v1/messages/count_tokens (query strings such as ?beta=true are ignored).
+Admin API (the admin token, same headers):
+  POST /gyre/executions -> {"execution_id", "api_key"};  POST /gyre/executions/{id}/finish;
+  GET /gyre/executions/{id}/records (JSONL; an execution's own key may read its own records);
+  GET /gyre/cells;  POST /gyre/cells/{id}/drain | /undrain;  GET /gyre/stats.
+Unauthenticated: HEAD|GET / and GET /gyre/health.
+Every error is a 4xx/5xx JSON body in the shape of the API the path belongs to; no traceback leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from gyre_ray.proxy import anthropic_api, openai_api
+from gyre_ray.proxy.errors import ApiError, error_body, flavor_for_path
+
+log = logging.getLogger(__name__)
+Handler = Callable[[Any, str, Any, dict[str, str]], Awaitable[Response]]
+
+
+def _error_response(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(flavor_for_path(request.url.path), status, message, param), status_code=status
+    )
+
+
+def _credentials(request: Request) -> list[str]:
+    """Keys offered by the client: `x-api-key` and/or `Authorization: Bearer ...`."""
+    found = []
+    key = request.headers.get("x-api-key")
+    if key:
+        found.append(key.strip())
+    auth = request.headers.get("authorization", "")
+    if auth[:7].lower() == "bearer ":
+        found.append(auth[7:].strip())
+    return [k for k in found if k]
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+    if not body.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(bytes(body), parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, "malformed JSON: nested too deeply") from None
+    except ValueError as exc:
+        raise ApiError(400, f"malformed JSON: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def build_app(service: Any) -> FastAPI:
+    """The FastAPI app serving `service` (a ProxyService)."""
+    app = FastAPI(title="gyre-ray proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    limit = service.section.max_request_bytes
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(request, exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            detail = f"no route for {request.method} {request.url.path}"
+        return _error_response(request, exc.status_code, detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(request, 400, f"invalid request: {exc.errors()[:3]}")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("proxy error on %s %s", request.method, request.url.path)
+        return _error_response(request, 500, "internal proxy error; the call was not completed")
+
+    async def execution_of(request: Request) -> str:
+        keys = _credentials(request)
+        if not keys:
+            raise ApiError(401, "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key'")
+        for key in keys:
+            execution_id = await service.execution_for_key(key)
+            if execution_id is not None:
+                return execution_id
+        raise ApiError(401, "invalid API key: it names no registered execution")
+
+    def require_admin(request: Request) -> None:
+        keys = _credentials(request)
+        if not keys:
+            raise ApiError(401, "the admin API needs the admin token ('Authorization: Bearer <token>')")
+        if not any(service.is_admin(k) for k in keys):
+            raise ApiError(401, "invalid admin token")
+
+    async def model_call(request: Request, handler: Handler) -> Response:
+        execution_id = await execution_of(request)
+        body = await _read_json(request, limit)
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        return await handler(service, execution_id, body, headers)
+
+    # ---- unauthenticated -------------------------------------------------------------------
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return JSONResponse({"status": "ok", "service": "gyre-ray proxy"})
+
+    @app.get("/gyre/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok", "cells": len(service.cells)})
+
+    # ---- model APIs --------------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await model_call(request, openai_api.chat_completions)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await model_call(request, openai_api.completions)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if not any(service.is_admin(k) for k in _credentials(request)):
+            await execution_of(request)
+        return openai_api.models(service)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await model_call(request, anthropic_api.messages)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await model_call(request, anthropic_api.count_tokens)
+
+    # ---- admin API ---------------------------------------------------------------------------
+    @app.post("/gyre/executions")
+    async def register(request: Request) -> Response:
+        require_admin(request)
+        body: Any = {}
+        if (await request.body()).strip():
+            body = await _read_json(request, limit)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object (optional keys: execution_id, metadata)")
+        execution_id, metadata = body.get("execution_id"), body.get("metadata")
+        if execution_id is not None and not isinstance(execution_id, str):
+            raise ApiError(400, "execution_id must be a string", "execution_id")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ApiError(400, "metadata must be an object", "metadata")
+        created = await service.register_execution(execution_id, metadata)
+        return JSONResponse(created, status_code=201)
+
+    @app.get("/gyre/executions/{execution_id}/records")
+    async def records(request: Request, execution_id: str) -> Response:
+        keys = _credentials(request)
+        if not any(service.is_admin(k) for k in keys):
+            own = await execution_of(request)
+            if own != execution_id:
+                raise ApiError(403, "an execution's key may read only that execution's records")
+        text = await service.records_jsonl(execution_id)
+        return PlainTextResponse(text, media_type="application/x-ndjson")
+
+    @app.post("/gyre/executions/{execution_id}/finish")
+    async def finish(request: Request, execution_id: str) -> Response:
+        require_admin(request)
+        path = await service.finish_execution(execution_id)
+        return JSONResponse({"execution_id": execution_id, "records_path": path})
+
+    @app.get("/gyre/cells")
+    async def cells(request: Request) -> Response:
+        require_admin(request)
+        return JSONResponse({"cells": await service.cell_status()})
+
+    @app.post("/gyre/cells/{cell_id}/drain")
+    async def drain(request: Request, cell_id: str) -> Response:
+        require_admin(request)
+        moved = await service.drain(cell_id)
+        return JSONResponse({"cell_id": cell_id, "draining": True, "migrated": moved})
+
+    @app.post("/gyre/cells/{cell_id}/undrain")
+    async def undrain(request: Request, cell_id: str) -> Response:
+        require_admin(request)
+        await service.undrain(cell_id)
+        return JSONResponse({"cell_id": cell_id, "draining": False})
+
+    @app.get("/gyre/stats")
+    async def stats(request: Request) -> Response:
+        require_admin(request)
+        store_stats = await service.store.call("stats")
+        return JSONResponse({"proxy": dict(service.counters), "store": store_stats})
+
+    return app

@@ -1,0 +1,107 @@
+"""How the proxy reaches cells and the trajectory store: in-process objects or Ray actors, one interface.
+
+`LocalCellClient` / `LocalStoreClient` call a `RolloutCell` / `TrajectoryStore` in the same process
+(unit tests, the fuzz test); `RayCellClient` / `RayStoreClient` call the same classes running as Ray
+actors (the Serve deployment). The proxy's logic is written once against these. `stream=False` fetches a
+call's events in one reply when nobody needs its tokens early (a non-streaming call without stop
+strings): one remote call instead of one Ray object per token batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from gyre_ray.cells.cell import CellEvent, RolloutCell
+from gyre_ray.engines.base import GenerateRequest, KVState
+
+
+async def _replay(events: Awaitable[list[CellEvent]]) -> AsyncIterator[CellEvent]:
+    for event in await events:
+        yield event
+
+
+class LocalCellClient:
+    """A cell in this process."""
+
+    def __init__(self, cell: RolloutCell) -> None:
+        self.cell = cell
+        self.cell_id = cell.cell_id
+
+    def generate(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[CellEvent]:
+        return self.cell.generate(request) if stream else _replay(self.cell.generate_all(request))
+
+    def resume(self, state: KVState, stream: bool = True) -> AsyncIterator[CellEvent]:
+        return self.cell.resume(state) if stream else _replay(self.cell.resume_all(state))
+
+    async def abort(self, rid: str) -> bool:
+        return await self.cell.abort(rid)
+
+    async def drain(self) -> int:
+        return await self.cell.drain()
+
+    async def undrain(self) -> None:
+        await self.cell.undrain()
+
+    async def status(self) -> dict[str, Any]:
+        return self.cell.status()
+
+
+class RayCellClient:
+    """A cell running as a Ray actor; streams arrive as Ray streaming generators (one object per batch)."""
+
+    def __init__(self, cell_id: str, actor: Any) -> None:
+        self.cell_id = cell_id
+        self.actor = actor
+
+    async def _iterate(self, generator: Any) -> AsyncIterator[CellEvent]:
+        async for ref in generator:
+            yield await ref
+
+    def generate(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[CellEvent]:
+        if not stream:
+            return _replay(self.actor.generate_all.remote(request))
+        return self._iterate(self.actor.generate.remote(request))
+
+    def resume(self, state: KVState, stream: bool = True) -> AsyncIterator[CellEvent]:
+        if not stream:
+            return _replay(self.actor.resume_all.remote(state))
+        return self._iterate(self.actor.resume.remote(state))
+
+    async def abort(self, rid: str) -> bool:
+        return await self.actor.abort.remote(rid)
+
+    async def drain(self) -> int:
+        return await self.actor.drain.remote()
+
+    async def undrain(self) -> None:
+        await self.actor.undrain.remote()
+
+    async def status(self) -> dict[str, Any]:
+        return await self.actor.status.remote()
+
+
+class LocalStoreClient:
+    """The trajectory store in this process (same async interface as the actor)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.store, method)(*args)
+
+    def submit(self, method: str, *args: Any) -> None:
+        getattr(self.store, method)(*args)
+
+
+class RayStoreClient:
+    """The trajectory store as a Ray actor; `submit` does not wait (calls stay ordered per caller)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await getattr(self.actor, method).remote(*args)
+
+    def submit(self, method: str, *args: Any) -> None:
+        getattr(self.actor, method).remote(*args)

@@ -1,0 +1,83 @@
+"""Prompts to token ids and output ids back to text and tool calls, for the served policy.
+
+`ChatCodec` wraps the policy's tokenizer and the ChatML chat template (`gyre_ray.model.chat_template`):
+`prompt_ids` renders a `ChatPrompt` segment by segment and splices recorded output ids in place of
+re-encoded assistant bodies; `parse` splits generated text into content and tool calls. Loading it
+needs no torch (only the tokenizer and the model's context length), so the proxy stays light.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.model.chat_template import TOOL_CALL_OPEN, ParsedOutput, encode_chat, parse_assistant_output
+from gyre_ray.model.config import ModelSection
+from gyre_ray.model.tokenizer import Tokenizer
+from gyre_ray.proxy.prompt import ChatPrompt
+
+
+class ChatCodec:
+    """Tokenizer + chat template + the model's context length."""
+
+    tool_call_marker = TOOL_CALL_OPEN
+
+    def __init__(self, tokenizer: Tokenizer, context_length: int, model_name: str = "gyre-policy") -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.model_name = model_name
+        self.stop_ids = frozenset(tokenizer.stop_ids())
+        self.vocab_size = tokenizer.vocab_size
+
+    @classmethod
+    def for_model(cls, section: ModelSection) -> ChatCodec:
+        """The codec of the policy a `model` config section describes (tokenizer and context length)."""
+        from gyre_ray.model.arch import ModelArgs
+
+        if section.path:
+            folder = Path(section.path)
+            args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+            tokenizer = (
+                Tokenizer.from_folder(folder)
+                if (folder / "tokenizer.json").is_file()
+                else Tokenizer.default()
+            )
+            name = folder.name
+        else:
+            args = ModelArgs.preset(section.preset)
+            tokenizer = Tokenizer.default()
+            name = f"gyre-{section.preset}"
+        return cls(tokenizer, args.max_position_embeddings, name)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def prompt_ids(
+        self, prompt: ChatPrompt, assistant_tokens: Mapping[int, Sequence[int]] | None = None
+    ) -> list[int]:
+        """ChatML prompt ids with the generation prompt; `assistant_tokens[i]` replaces message i's body."""
+        return encode_chat(
+            self.tokenizer,
+            prompt.messages,
+            prompt.tools or None,
+            add_generation_prompt=True,
+            assistant_tokens=assistant_tokens,
+        )
+
+    def parse(self, text: str) -> ParsedOutput:
+        """Content and tool calls of generated text (malformed tool calls stay in the content)."""
+        return parse_assistant_output(text)
+
+    def check_ids(self, ids: Sequence[Any]) -> list[int]:
+        """Token ids given by a client: integers in [0, vocab_size), else ValueError naming the first bad one."""
+        out = []
+        for pos, tok in enumerate(ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
+                raise ValueError(f"prompt[{pos}] = {tok!r} is not a token id in [0, {self.vocab_size})")
+            out.append(tok)
+        return out

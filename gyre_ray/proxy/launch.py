@@ -1,0 +1,253 @@
+"""Start the proxy stack from Python: local Ray (if needed), the store, N rollout cells, Ray Serve.
+
+    handle = start_proxy(load_config("jobs/configs/toy.yaml"))
+    key = handle.register_execution()["api_key"]     # then point a harness at handle.base_url
+    records = handle.records(execution_id)           # list[CallRecord]
+    handle.shutdown()
+
+`engine_factory` defaults to the configured policy behind the configured engine backend; tests
+pass a `ScriptedEngineFactory`. `gyre-ray serve` is a thin CLI over this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gyre_ray.cells.cell import EngineFactory
+from gyre_ray.config import GyreConfig
+from gyre_ray.trajectory.records import CallRecord
+
+NAMESPACE = "gyre-ray"
+
+
+@dataclass
+class ProxyHandle:
+    """A running proxy: where it listens, its admin token, and the admin API as Python calls."""
+
+    base_url: str
+    admin_token: str
+    cell_ids: list[str]
+    records_dir: str
+    app_name: str
+    _pool: Any = None
+    _store: Any = None
+    _owns_ray: bool = False
+    _http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120.0))
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def _admin(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        response = self._http.request(method, self.base_url + path, headers=headers, **kwargs)
+        if response.status_code >= 400:
+            raise RuntimeError(f"{method} {path} failed with {response.status_code}: {response.text[:500]}")
+        return response
+
+    def register_execution(
+        self, execution_id: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> dict[str, str]:
+        """A new execution: {"execution_id", "api_key"}."""
+        body: dict[str, Any] = {}
+        if execution_id is not None:
+            body["execution_id"] = execution_id
+        if metadata is not None:
+            body["metadata"] = metadata
+        return self._admin("POST", "/gyre/executions", json=body).json()
+
+    def records(self, execution_id: str) -> list[CallRecord]:
+        """The execution's call records, in call order."""
+        text = self._admin("GET", f"/gyre/executions/{execution_id}/records").text
+        return [CallRecord.from_json(line) for line in text.splitlines() if line.strip()]
+
+    def finish_execution(self, execution_id: str) -> str:
+        """Spill the execution's records to disk; returns the JSONL path."""
+        return self._admin("POST", f"/gyre/executions/{execution_id}/finish").json()["records_path"]
+
+    def drain(self, cell_id: str) -> int:
+        """Take a cell out of routing, moving its in-flight calls; returns how many moved."""
+        return self._admin("POST", f"/gyre/cells/{cell_id}/drain").json()["migrated"]
+
+    def undrain(self, cell_id: str) -> None:
+        self._admin("POST", f"/gyre/cells/{cell_id}/undrain")
+
+    def cells(self) -> list[dict[str, Any]]:
+        return self._admin("GET", "/gyre/cells").json()["cells"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._admin("GET", "/gyre/stats").json()
+
+    def shutdown(self) -> None:
+        """Delete the Serve app, kill the cells and the store; stop Ray if this handle started it."""
+        import ray
+        from ray import serve
+
+        self._http.close()
+        with contextlib.suppress(Exception):  # Serve already gone
+            serve.delete(self.app_name)
+        if self._pool is not None:
+            self._pool.shutdown()
+        if self._store is not None:
+            ray.kill(self._store, no_restart=True)
+        if self._owns_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def start_backends(
+    config: GyreConfig,
+    engine_factory: EngineFactory | None = None,
+    *,
+    admin_token: str | None = None,
+    detached: bool = False,
+    timeout_s: float = 300.0,
+) -> tuple[dict[str, Any], Any, Any]:
+    """Start the trajectory store and the cells (named actors); return (deployment settings, pool, store).
+
+    `detached`: the actors outlive the calling process (for `serve run` / `serve deploy` builders).
+    """
+    from gyre_ray.cells.factories import PolicyEngineFactory
+    from gyre_ray.cells.pool import CellPool
+    from gyre_ray.proxy.store import create_store_actor
+
+    section = config.proxy
+    if engine_factory is None:
+        engine_factory = PolicyEngineFactory(config.model.model_dump(), config.engine.model_dump())
+    tag = secrets.token_hex(3)
+    store_name = f"gyre-{tag}-store"
+    records_dir = str(Path(section.records_dir).resolve())
+    store = create_store_actor(records_dir, section.store_max_records, store_name, NAMESPACE, detached)
+    try:
+        pool = CellPool.start(
+            section.num_cells,
+            engine_factory,
+            section.cpus_per_cell,
+            prefix=f"gyre-{tag}-cell",
+            timeout_s=timeout_s,
+            namespace=NAMESPACE,
+            detached=detached,
+        )
+    except BaseException:
+        import ray
+
+        ray.kill(store, no_restart=True)
+        raise
+    settings = {
+        "proxy": section.model_dump(),
+        "model": config.model.model_dump(),
+        "namespace": NAMESPACE,
+        "cells": pool.actor_names,
+        "store": store_name,
+        "admin_token": admin_token or section.admin_token or secrets.token_urlsafe(24),
+        "records_dir": records_dir,
+    }
+    return settings, pool, store
+
+
+def start_proxy(
+    config: GyreConfig,
+    engine_factory: EngineFactory | None = None,
+    *,
+    app_name: str = "gyre-proxy",
+    timeout_s: float = 300.0,
+) -> ProxyHandle:
+    """Start store, cells and the Serve proxy; wait until it answers; return its handle."""
+    import ray
+    from ray import serve
+
+    from gyre_ray.proxy.serve_app import proxy_application
+
+    section = config.proxy
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        cpus = max(os.cpu_count() or 1, math.ceil(section.num_cells * section.cpus_per_cell))
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    pool = store = None
+    try:
+        settings, pool, store = start_backends(config, engine_factory, timeout_s=timeout_s)
+        port = section.port or free_port(section.host)
+        serve.start(http_options={"host": section.host, "port": port})
+        serve.run(
+            proxy_application(settings),
+            name=app_name,
+            route_prefix="/",
+            blocking=False,
+            logging_config={"log_level": "WARNING", "enable_access_log": False},
+        )
+        base_url = _serve_base_url(section.host, port)
+        _wait_healthy(base_url, timeout_s)
+    except BaseException:
+        if pool is not None:
+            pool.shutdown()
+        if store is not None:
+            ray.kill(store, no_restart=True)
+        if owns_ray:
+            ray.shutdown()
+        raise
+    return ProxyHandle(
+        base_url,
+        settings["admin_token"],
+        pool.cell_ids,
+        settings["records_dir"],
+        app_name,
+        pool,
+        store,
+        owns_ray,
+    )
+
+
+def _serve_base_url(host: str, requested_port: int) -> str:
+    """Serve keeps the HTTP options of its first start in a cluster; use the port it really serves on."""
+    from ray.serve.context import _get_global_client
+
+    port = requested_port
+    with contextlib.suppress(Exception):  # no client details: trust the requested port
+        port = int(_get_global_client().http_config.port)
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://{connect_host}:{port}"
+
+
+def _wait_healthy(base_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(base_url + "/gyre/health", timeout=5.0)
+            if response.status_code == 200:
+                return
+            last = f"status {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"the proxy at {base_url} did not become healthy within {timeout_s:.0f} s ({last})")
+
+
+def describe(handle: ProxyHandle) -> str:
+    """The one JSON line `gyre-ray serve` prints."""
+    return json.dumps(
+        {
+            "base_url": handle.base_url,
+            "openai_base_url": handle.openai_base_url,
+            "admin_token": handle.admin_token,
+            "cells": handle.cell_ids,
+            "records_dir": handle.records_dir,
+        }
+    )

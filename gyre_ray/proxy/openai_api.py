@@ -1,0 +1,171 @@
+"""OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Responses follow OpenAI's shapes: `chat.completion` objects, or `chat.completion.chunk` SSE events
+ending in `data: [DONE]`; tool calls parsed from the output come back as `tool_calls` with
+finish_reason "tool_calls"; `usage` always (and as a last chunk with `stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from gyre_ray.proxy.errors import ApiError, error_body
+from gyre_ray.proxy.front import begin, complete, sampling_for, sse, validate
+from gyre_ray.proxy.generation import Generation, Outcome
+from gyre_ray.proxy.openai_schema import ChatCompletionRequest, CompletionRequest
+
+FINISH = {
+    "stop": "stop",
+    "stop_string": "stop",
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "abort": "stop",
+}
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _error_event(exc: ApiError) -> str:
+    return _data(error_body("openai", exc.status, exc.message, exc.param)) + "data: [DONE]\n\n"
+
+
+def _usage(outcome: Outcome) -> dict[str, int]:
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+    }
+
+
+async def chat_completions(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
+    req = validate(ChatCompletionRequest, body)
+    prompt = req.to_prompt()
+    call = await service.prepare_chat(
+        execution_id,
+        prompt,
+        "openai-chat",
+        req.model,
+        headers.get("x-gyre-role"),
+        headers.get("user-agent", ""),
+    )
+    sampling = sampling_for(service, call, req.temperature, req.top_p, req.requested_max_tokens(), req.seed)
+    gen, slot = await begin(
+        service, call, sampling, prompt.parse_tools, req.stop_strings(), "call_", req.stream
+    )
+    meta = {"id": "chatcmpl-" + call.call_id, "created": int(time.time()), "model": req.model}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse(_chat_stream(gen, meta, include_usage), gen, slot, _error_event)
+    outcome = await complete(gen, slot)
+    message: dict[str, Any] = {"role": "assistant", "content": outcome.content or None}
+    if outcome.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in outcome.tool_calls
+        ]
+    elif message["content"] is None:
+        message["content"] = ""
+    return JSONResponse(
+        {
+            **meta,
+            "object": "chat.completion",
+            "choices": [
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": FINISH[outcome.finish]}
+            ],
+            "usage": _usage(outcome),
+        }
+    )
+
+
+async def _chat_stream(gen: Generation, meta: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _data({**meta, "object": "chat.completion.chunk", "choices": [choice]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for delta in gen.text_deltas():
+        yield chunk({"content": delta})
+    outcome = gen.finish()
+    tail = gen.tail_text()
+    if tail:
+        yield chunk({"content": tail})
+    for i, call in enumerate(outcome.tool_calls):
+        yield chunk(
+            {
+                "tool_calls": [
+                    {
+                        "index": i,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments_json},
+                    }
+                ]
+            }
+        )
+    yield chunk({}, FINISH[outcome.finish])
+    if include_usage:
+        yield _data({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(outcome)})
+    yield "data: [DONE]\n\n"
+
+
+async def completions(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
+    req = validate(CompletionRequest, body)
+    prompt = req.prompt_text_or_ids()
+    if isinstance(prompt, str):
+        ids = service.codec.encode(prompt)
+    else:
+        try:
+            ids = service.codec.check_ids(prompt)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "prompt") from None
+    call = service.prepare_ids(execution_id, ids, "openai-completions", req.model, headers.get("x-gyre-role"))
+    sampling = sampling_for(service, call, req.temperature, req.top_p, req.max_tokens or 16, req.seed)
+    gen, slot = await begin(service, call, sampling, False, req.stop_strings(), "call_", req.stream)
+    meta = {"id": "cmpl-" + call.call_id, "created": int(time.time()), "model": req.model}
+    echo = service.codec.decode(ids) if req.echo else ""
+    if req.stream:
+        return sse(_completion_stream(gen, meta, echo), gen, slot, _error_event)
+    outcome = await complete(gen, slot)
+    return JSONResponse(
+        {
+            **meta,
+            "object": "text_completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": echo + outcome.content,
+                    "logprobs": None,
+                    "finish_reason": FINISH[outcome.finish],
+                }
+            ],
+            "usage": _usage(outcome),
+        }
+    )
+
+
+async def _completion_stream(gen: Generation, meta: dict[str, Any], echo: str) -> AsyncIterator[str]:
+    def chunk(text: str, finish: str | None = None) -> str:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return _data({**meta, "object": "text_completion", "choices": [choice]})
+
+    if echo:
+        yield chunk(echo)
+    async for delta in gen.text_deltas():
+        yield chunk(delta)
+    outcome = gen.finish()
+    yield chunk("", FINISH[outcome.finish])
+    yield "data: [DONE]\n\n"
+
+
+def models(service: Any) -> Response:
+    name = service.codec.model_name
+    return JSONResponse(
+        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "gyre-ray"}]}
+    )

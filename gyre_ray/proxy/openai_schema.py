@@ -1,0 +1,180 @@
+"""OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) and their translation to a prompt.
+
+Known fields are type-checked strictly (a string where a number belongs is a 400, not a coercion);
+unknown fields are accepted and ignored, as harnesses send many the policy cannot honour.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gyre_ray.proxy.errors import bad_request
+from gyre_ray.proxy.prompt import ChatPrompt, check_parameters_schema, check_tool_name
+
+_SEED = Field(None, ge=-(1 << 63), le=(1 << 63) - 1, description="Sampling seed.")
+
+
+class Lenient(BaseModel):
+    """Strict types for known fields; unknown fields allowed (and ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class FunctionSpec(Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        return check_tool_name(value)
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_params(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_parameters_schema(value)
+
+
+class ToolSpec(Lenient):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class CalledFunction(Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class TextPart(Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class SamplingFields(Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: int | None = _SEED
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_prompt(self) -> ChatPrompt:
+        """The conversation as OpenAI-style message dicts plus tool specs, validated for consistency."""
+        messages: list[dict[str, Any]] = []
+        for i, msg in enumerate(self.messages):
+            text = _text_of(msg.content)
+            role = "system" if msg.role == "developer" else msg.role
+            if role in ("system", "user") and msg.content is None:
+                raise bad_request(f"messages.{i}.content is required for role {msg.role!r}", f"messages.{i}")
+            entry: dict[str, Any] = {"role": role, "content": text}
+            if role == "assistant" and msg.tool_calls:
+                entry["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.function.name, "arguments": call.function.arguments},
+                    }
+                    for call in msg.tool_calls
+                ]
+            if role == "tool":
+                entry["tool_call_id"] = msg.tool_call_id or ""
+            messages.append(entry)
+        tools = [
+            {"type": "function", "function": t.function.model_dump(exclude_none=True)}
+            for t in self.tools or []
+        ]
+        names = {t["function"]["name"] for t in tools}
+        if len(names) != len(tools):
+            raise bad_request("tools: tool names must be unique", "tools")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            wanted = (
+                (choice.get("function") or {}).get("name")
+                if isinstance(choice.get("function"), dict)
+                else None
+            )
+            if choice.get("type") != "function" or not isinstance(wanted, str):
+                raise bad_request(
+                    'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                    "tool_choice",
+                )
+            if wanted not in names:
+                raise bad_request(
+                    f"tool_choice names {wanted!r}, which is not among the tools", "tool_choice"
+                )
+        if choice is not None and choice != "none" and not tools:
+            raise bad_request("tool_choice is set but no tools are given", "tool_choice")
+        return ChatPrompt(messages=messages, tools=tools, parse_tools=bool(tools) and choice != "none")
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        str
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+        | (Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)])
+    )
+    echo: bool = False
+
+    def prompt_text_or_ids(self) -> str | list[int]:
+        """The single prompt, as text or as token ids (a batch of one is unwrapped)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        return prompt
+
+
+def _text_of(content: str | list[TextPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
+def dumps_arguments(arguments: Any) -> str:
+    """Tool-call arguments as the JSON string OpenAI clients expect."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)

@@ -1,0 +1,313 @@
+"""The proxy's core, independent of HTTP: keys, executions, token-exact prompts, routing, recording.
+
+`ProxyService` is built once per proxy replica over a `ChatCodec`, the cells (`CellClient`s) and the
+trajectory store (`StoreClient`). The HTTP front ends (`openai_api`, `anthropic_api`) only translate
+request and response shapes around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+from gyre_ray.proxy.calls import CallRun, PreparedCall
+from gyre_ray.proxy.codec import ChatCodec
+from gyre_ray.proxy.config import ProxySection
+from gyre_ray.proxy.errors import ApiError
+from gyre_ray.proxy.prompt import ChatPrompt, assistant_key
+from gyre_ray.proxy.roles import RoleError, classify_role, system_fingerprint
+from gyre_ray.proxy.router import Router
+from gyre_ray.proxy.store import StoreError
+from gyre_ray.trajectory.records import CallRecord
+
+SPLICE_CACHE_PER_EXECUTION = 1024
+
+
+class _Slot:
+    """One of an execution's concurrent-call slots; releasing twice is harmless."""
+
+    def __init__(self, counts: dict[str, int], execution_id: str) -> None:
+        self._counts = counts
+        self._execution_id = execution_id
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._counts[self._execution_id] -= 1
+
+    def bind(self, owner: object) -> None:
+        """Release at the latest when `owner` (e.g. a response stream that may never run) is collected."""
+        weakref.finalize(owner, self.release)
+
+
+class ProxyService:
+    """Everything a proxy replica does besides speaking HTTP."""
+
+    def __init__(
+        self,
+        section: ProxySection,
+        codec: ChatCodec,
+        cells: dict[str, Any],
+        store: Any,
+        admin_token: str,
+    ) -> None:
+        self.section = section
+        self.codec = codec
+        self.cells = cells
+        self.store = store
+        self.admin_token = admin_token
+        self.router = Router(list(cells))
+        self._keys: dict[str, str] = {}
+        self._inflight: dict[str, int] = {}
+        self._main_system: dict[str, str] = {}
+        self._splices: dict[str, OrderedDict[str, tuple[str, list[int]]]] = {}
+        self.counters = {"calls": 0, "migrations": 0, "spliced_messages": 0, "client_aborts": 0}
+
+    # ---- auth ---------------------------------------------------------------------------------
+    def is_admin(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.admin_token.encode())
+
+    async def execution_for_key(self, api_key: str | None) -> str | None:
+        """The execution an API key names (None for a missing or unknown key)."""
+        if not api_key:
+            return None
+        cached = self._keys.get(api_key)
+        if cached is not None:
+            return cached
+        execution_id = await self.store.call("execution_for_key", api_key)
+        if execution_id is not None:
+            self._keys[api_key] = execution_id
+        return execution_id
+
+    # ---- admin ----------------------------------------------------------------------------------
+    async def register_execution(
+        self, execution_id: str | None, metadata: dict[str, Any] | None
+    ) -> dict[str, str]:
+        try:
+            created = await self.store.call("register", execution_id, metadata)
+        except StoreError as exc:
+            raise ApiError(409 if "already" in str(exc) else 400, str(exc)) from None
+        self._keys[created["api_key"]] = created["execution_id"]
+        return created
+
+    async def records_jsonl(self, execution_id: str) -> str:
+        try:
+            return await self.store.call("records_jsonl", execution_id)
+        except StoreError as exc:
+            raise ApiError(404, str(exc)) from None
+
+    async def finish_execution(self, execution_id: str) -> str:
+        try:
+            path = await self.store.call("finish_execution", execution_id)
+        except StoreError as exc:
+            raise ApiError(404, str(exc)) from None
+        self.router.forget(execution_id)
+        self._splices.pop(execution_id, None)
+        self._main_system.pop(execution_id, None)
+        return path
+
+    async def drain(self, cell_id: str) -> int:
+        """Take a cell out of routing and move its in-flight calls elsewhere; returns how many moved."""
+        self._check_cell(cell_id)
+        self.router.drain(cell_id)
+        return await self.cells[cell_id].drain()
+
+    async def undrain(self, cell_id: str) -> None:
+        self._check_cell(cell_id)
+        await self.cells[cell_id].undrain()
+        self.router.undrain(cell_id)
+
+    async def cell_status(self) -> list[dict[str, Any]]:
+        statuses = await asyncio.gather(*(client.status() for client in self.cells.values()))
+        for status in statuses:
+            status["routable"] = status["cell_id"] not in self.router.drained
+            status["proxy_load"] = self.router.load.get(status["cell_id"], 0)
+        return list(statuses)
+
+    def _check_cell(self, cell_id: str) -> None:
+        if cell_id not in self.cells:
+            raise ApiError(404, f"unknown cell {cell_id!r}; cells: {', '.join(self.cells)}")
+
+    # ---- preparing a call -----------------------------------------------------------------------
+    async def prepare_chat(
+        self,
+        execution_id: str,
+        prompt: ChatPrompt,
+        api: str,
+        model: str,
+        role_header: str | None = None,
+        user_agent: str = "",
+        session: str | None = None,
+    ) -> PreparedCall:
+        """Render the prompt token-exact (splicing recorded outputs) and classify the call's role."""
+        try:
+            role = classify_role(prompt, role_header, user_agent, self._main_system.get(execution_id))
+        except RoleError as exc:
+            raise ApiError(400, str(exc)) from None
+        if execution_id not in self._main_system and role == "main":
+            self._main_system[execution_id] = system_fingerprint(prompt)
+        assistant_tokens, parent = await self.recorded_outputs(execution_id, prompt)
+        try:
+            input_ids = self.codec.prompt_ids(prompt, assistant_tokens)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        self._check_prompt_length(len(input_ids))
+        self.counters["spliced_messages"] += len(assistant_tokens)
+        return PreparedCall(
+            execution_id=execution_id,
+            call_id=new_call_id(),
+            role=role,
+            input_ids=input_ids,
+            api=api,
+            model=model,
+            session=session,
+            parent_call_id=parent,
+            spliced_messages=len(assistant_tokens),
+        )
+
+    def prepare_ids(
+        self, execution_id: str, input_ids: list[int], api: str, model: str, role_header: str | None = None
+    ) -> PreparedCall:
+        """A raw-token call (`/v1/completions` with token ids or text)."""
+        if not input_ids:
+            raise ApiError(400, "the prompt is empty: give at least one token", "prompt")
+        try:
+            role = classify_role(ChatPrompt(messages=[]), role_header)
+        except RoleError as exc:
+            raise ApiError(400, str(exc)) from None
+        self._check_prompt_length(len(input_ids))
+        return PreparedCall(execution_id, new_call_id(), role, input_ids, api, model)
+
+    def _check_prompt_length(self, length: int) -> None:
+        limit = self.codec.context_length
+        if length >= limit:
+            raise ApiError(
+                400,
+                f"the prompt is {length} tokens; the model's context length is {limit} tokens "
+                f"(prompt + max_tokens must fit)",
+                "messages",
+            )
+
+    def max_new_tokens(self, prompt_length: int, requested: int | None) -> int:
+        """max_tokens capped to what fits in the context; absurd values are rejected."""
+        ceiling = self.section.max_tokens_ceiling
+        if requested is not None and requested > ceiling:
+            raise ApiError(
+                400, f"max_tokens is {requested}; the most this proxy accepts is {ceiling}", "max_tokens"
+            )
+        room = self.codec.context_length - prompt_length
+        wanted = self.section.default_max_tokens if requested is None else requested
+        if self.section.max_output_tokens is not None:
+            wanted = min(wanted, self.section.max_output_tokens)
+        return max(1, min(wanted, room))
+
+    async def recorded_outputs(
+        self, execution_id: str, prompt: ChatPrompt
+    ) -> tuple[dict[int, list[int]], str | None]:
+        """Recorded output ids for assistant messages the execution's earlier calls produced."""
+        wanted = {
+            i: assistant_key(m.get("content"), m.get("tool_calls"))
+            for i, m in enumerate(prompt.messages)
+            if m["role"] == "assistant"
+        }
+        if not wanted:
+            return {}, None
+        cache = self._splices.setdefault(execution_id, OrderedDict())
+        missing = sorted({key for key in wanted.values() if key not in cache})
+        if missing:
+            found = await self.store.call("find_outputs", execution_id, missing)
+            for key, (call_id, ids) in found.items():
+                self._remember(execution_id, key, call_id, ids)
+        spliced: dict[int, list[int]] = {}
+        parent = None
+        for index, key in wanted.items():
+            hit = cache.get(key)
+            if hit is not None:
+                spliced[index] = hit[1]
+                parent = hit[0]
+        return spliced, parent
+
+    def _remember(self, execution_id: str, key: str, call_id: str, ids: list[int]) -> None:
+        cache = self._splices.setdefault(execution_id, OrderedDict())
+        cache[key] = (call_id, ids)
+        cache.move_to_end(key)
+        while len(cache) > SPLICE_CACHE_PER_EXECUTION:
+            cache.popitem(last=False)
+
+    # ---- running a call -------------------------------------------------------------------------
+    async def acquire_slot(self, execution_id: str) -> _Slot:
+        """Wait (up to queue_timeout_s) for one of the execution's concurrent-call slots, else 429."""
+        limit = self.section.max_concurrent_per_execution
+        deadline = time.monotonic() + self.section.queue_timeout_s
+        while self._inflight.get(execution_id, 0) >= limit:
+            if time.monotonic() > deadline:
+                raise ApiError(
+                    429, f"execution {execution_id} already has {limit} calls in flight (the limit)"
+                )
+            await asyncio.sleep(0.01)
+        self._inflight[execution_id] = self._inflight.get(execution_id, 0) + 1
+        return _Slot(self._inflight, execution_id)
+
+    async def choose_cell(self, execution_id: str, exclude: set[str]) -> str:
+        """A routable cell, waiting up to queue_timeout_s while none is (all drained), else 503."""
+        deadline = time.monotonic() + self.section.queue_timeout_s
+        while True:
+            cell = self.router.choose(execution_id, exclude)
+            if cell is not None:
+                return cell
+            if time.monotonic() > deadline:
+                raise ApiError(
+                    503, "no rollout cell is available to serve the call (all are drained or failed)"
+                )
+            await asyncio.sleep(0.02)
+
+    def start(self, call: PreparedCall, sampling: Any, stream: bool = True) -> CallRun:
+        """A call ready to run; `stream=False` when its tokens are only needed at the end."""
+        self.counters["calls"] += 1
+        return CallRun(self, call, sampling, stream)
+
+    def record(self, run: CallRun, splice_key: str | None, meta: dict[str, Any] | None = None) -> None:
+        """Hand the call's record to the store (once); index its output for splicing if `splice_key`."""
+        if run.recorded:
+            return
+        run.recorded = True
+        call = run.call
+        self.counters["migrations"] += run.migrations
+        record = CallRecord(
+            execution_id=call.execution_id,
+            call_id=call.call_id,
+            role=call.role,
+            input_ids=list(call.input_ids),
+            output_ids=list(run.output_ids),
+            output_logprobs=[min(0.0, lp) for lp in run.output_logprobs],
+            versions=list(run.versions),
+            t_start=run.t_start,
+            t_end=max(run.t_end or time.time(), run.t_start),
+            parent_call_id=call.parent_call_id,
+            session=call.session,
+            meta={
+                "api": call.api,
+                "model": call.model,
+                "finish_reason": run.finish_reason,
+                "cells": run.cells,
+                "migrations": run.migrations,
+                "engine_s": round(run.engine_seconds, 6),
+                "spliced_messages": call.spliced_messages,
+                **call.meta,
+                **(meta or {}),
+            },
+        )
+        if splice_key is not None and run.output_ids:
+            self._remember(call.execution_id, splice_key, call.call_id, run.output_ids)
+        self.store.submit("add", record, splice_key)
+
+
+def new_call_id() -> str:
+    """A call id: time-ordered, unique with overwhelming probability."""
+    return f"call-{time.time_ns():x}-{uuid.uuid4().hex[:8]}"

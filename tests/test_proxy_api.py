@@ -1,0 +1,443 @@
+"""The proxy's HTTP APIs in-process (scripted engine): SDK compatibility, tools, TITO splicing, auth, limits.
+
+The engine here is `ScriptedEngine`: canned replies (with real token ids) make the model "call" tools
+and produce outputs whose text re-encodes to different ids, which a random tiny model cannot be made
+to do on purpose. The same APIs over Ray Serve and the tiny model are in test_proxy_serve.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from gyre_ray.cells.factories import ScriptedEngineFactory
+from gyre_ray.model.config import ModelSection
+from gyre_ray.proxy.codec import ChatCodec
+from gyre_ray.proxy.config import ProxySection
+from gyre_ray.proxy.local import build_local_proxy
+from gyre_ray.proxy.prompt import ChatPrompt
+
+CODEC = ChatCodec.for_model(ModelSection())
+IM_END = CODEC.tokenizer.im_end_id
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ODD_IDS = [t for ch in "Hello" for t in CODEC.encode(ch)] + CODEC.encode(
+    " there"
+)  # not what BPE would produce
+REPLIES = [
+    ("WEATHER_Q", CODEC.encode("Let me check.\n" + TOOL_CALL) + [IM_END]),
+    ("SUNNY_R", CODEC.encode("It is sunny.") + [IM_END]),
+    ("ODD_Q", ODD_IDS + [IM_END]),
+    ("STOP_Q", CODEC.encode("alpha beta STOP gamma") + [IM_END]),
+]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+
+
+def _factory(**options):
+    replies = [(CODEC.encode(trigger), reply) for trigger, reply in REPLIES]
+    return ScriptedEngineFactory({"replies": replies, "reply_length": 12, **options})
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory):
+    return asyncio.run(build_local_proxy(CODEC, _factory(), tmp_path_factory.mktemp("records")))
+
+
+class Clients:
+    """openai / anthropic SDK clients and a raw httpx client, all on the in-process app."""
+
+    def __init__(self, proxy, api_key: str) -> None:
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy.app), base_url="http://proxy")
+        self.http2 = httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=proxy.app), base_url="http://proxy"
+        )
+        self.openai = openai.AsyncOpenAI(
+            api_key=api_key, base_url="http://proxy/v1", http_client=self.http, max_retries=0
+        )
+        self.anthropic = anthropic.AsyncAnthropic(
+            api_key=api_key, base_url="http://proxy", http_client=self.http2, max_retries=0
+        )
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.http2.aclose()
+
+
+def scenario(proxy, body):
+    """Run `body(clients, execution_id)` against a fresh execution; return (result, its records)."""
+    created = proxy.register_execution()
+
+    async def main():
+        clients = Clients(proxy, created["api_key"])
+        try:
+            return await body(clients, created["execution_id"])
+        finally:
+            await clients.close()
+
+    result = asyncio.run(main())
+    return result, proxy.store.records(created["execution_id"])
+
+
+# ---- OpenAI ---------------------------------------------------------------------------------------------
+def test_openai_chat_plain_streaming_and_not_is_recorded_token_exact(proxy):
+    messages = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
+
+    async def body(c, _):
+        full = await c.openai.chat.completions.create(model="any-name", messages=messages, temperature=0)
+        stream = await c.openai.chat.completions.create(
+            model="any-name", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+        return full, chunks
+
+    (full, chunks), records = scenario(proxy, body)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert full.choices[0].message.content == text != ""
+    assert full.choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == 13
+    assert [r.role for r in records] == ["main", "main"]
+    expected_prompt = CODEC.prompt_ids(ChatPrompt(messages=messages))
+    for record in records:
+        assert record.input_ids == expected_prompt
+        assert record.output_ids[-1] in CODEC.stop_ids and CODEC.decode(record.output_ids[:-1]) == text
+        assert len(record.output_logprobs) == len(record.versions) == len(record.output_ids)
+    assert full.usage.prompt_tokens == len(expected_prompt)
+
+
+def test_openai_tool_call_round_trip_splices_the_recorded_call(proxy):
+    async def body(c, _):
+        first = await c.openai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "WEATHER_Q"}], tools=[WEATHER_TOOL]
+        )
+        call = first.choices[0].message.tool_calls[0]
+        # the client re-sends the call with its arguments re-formatted: still the same turn
+        assistant = {
+            "role": "assistant",
+            "content": first.choices[0].message.content,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{ "city":"Paris" }'},
+                }
+            ],
+        }
+        messages = [
+            {"role": "user", "content": "WEATHER_Q"},
+            assistant,
+            {"role": "tool", "tool_call_id": call.id, "content": "SUNNY_R"},
+        ]
+        stream = await c.openai.chat.completions.create(
+            model="m", messages=messages, tools=[WEATHER_TOOL], stream=True
+        )
+        second = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        return first, second
+
+    (first, second), records = scenario(proxy, body)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    assert second == "It is sunny."
+    one, two = records
+    assert two.input_ids[: len(one.input_ids) + len(one.output_ids)] == one.input_ids + one.output_ids
+    assert two.parent_call_id == one.call_id and two.meta["spliced_messages"] == 1
+
+
+def test_openai_streamed_tool_calls_reassemble(proxy):
+    async def body(c, _):
+        stream = await c.openai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "WEATHER_Q"}], tools=[WEATHER_TOOL], stream=True
+        )
+        return [ch async for ch in stream]
+
+    chunks, _ = scenario(proxy, body)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert text == "Let me check.\n" and len(calls) == 1
+    assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {
+        "city": "Paris"
+    }
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_reencoding_assistant_text_would_differ_but_records_keep_the_original_ids(proxy):
+    assert CODEC.encode(CODEC.decode(ODD_IDS)) != ODD_IDS  # the premise: text -> ids is not the inverse
+
+    async def body(c, _):
+        first = await c.openai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "ODD_Q"}]
+        )
+        text = first.choices[0].message.content
+        history = [{"role": "user", "content": "ODD_Q"}, {"role": "assistant", "content": text}]
+        await c.openai.chat.completions.create(
+            model="m", messages=[*history, {"role": "user", "content": "more"}]
+        )
+        blocks = [
+            {"role": "user", "content": "ODD_Q"},
+            {"role": "assistant", "content": [{"type": "text", "text": text}]},
+        ]
+        await c.anthropic.messages.create(
+            model="claude", max_tokens=20, messages=[*blocks, {"role": "user", "content": "more"}]
+        )
+        return text
+
+    text, records = scenario(proxy, body)
+    assert text == "Hello there"
+    first, via_openai, via_anthropic = records
+    for later in (via_openai, via_anthropic):
+        prefix = first.input_ids + first.output_ids
+        assert later.input_ids[: len(prefix)] == prefix
+        assert later.meta["spliced_messages"] == 1
+
+
+def test_stop_strings_cut_the_text_and_are_reported(proxy):
+    async def body(c, _):
+        oa = await c.openai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "STOP_Q"}], stop=["STOP"]
+        )
+        an = await c.anthropic.messages.create(
+            model="m",
+            max_tokens=50,
+            messages=[{"role": "user", "content": "STOP_Q"}],
+            stop_sequences=["STOP"],
+        )
+        return oa, an
+
+    (oa, an), records = scenario(proxy, body)
+    assert oa.choices[0].message.content == "alpha beta " and oa.choices[0].finish_reason == "stop"
+    assert (
+        an.content[0].text == "alpha beta "
+        and an.stop_reason == "stop_sequence"
+        and an.stop_sequence == "STOP"
+    )
+    assert all(r.meta["stop_string"] == "STOP" for r in records)
+
+
+def test_text_completions_with_text_or_token_ids(proxy):
+    async def body(c, _):
+        by_text = await c.openai.completions.create(model="m", prompt="hello", max_tokens=5)
+        by_ids = await c.openai.completions.create(model="m", prompt=[11, 12, 13], max_tokens=5)
+        bad = await c.http.post(
+            "/v1/completions", json={"model": "m", "prompt": [1, 99999]}, headers=c.openai.auth_headers
+        )
+        return by_text, by_ids, bad
+
+    (by_text, by_ids, bad), records = scenario(proxy, body)
+    assert by_text.choices[0].finish_reason == "length" and by_text.usage.completion_tokens == 5
+    assert records[0].input_ids == CODEC.encode("hello") and records[1].input_ids == [11, 12, 13]
+    assert bad.status_code == 400 and "prompt[1]" in bad.json()["error"]["message"]
+
+
+# ---- Anthropic ----------------------------------------------------------------------------------------------
+def test_anthropic_messages_with_tools_streaming_and_not(proxy):
+    async def body(c, _):
+        msg = await c.anthropic.messages.create(
+            model="claude-x",
+            max_tokens=8000,
+            messages=[{"role": "user", "content": "WEATHER_Q"}],
+            tools=[ANTHROPIC_TOOL],
+        )
+        async with c.anthropic.messages.stream(
+            model="claude-x",
+            max_tokens=100,
+            messages=[{"role": "user", "content": "WEATHER_Q"}],
+            tools=[ANTHROPIC_TOOL],
+        ) as stream:
+            kinds = [event.type async for event in stream]
+            final = await stream.get_final_message()
+        raw = await c.http.post(
+            "/v1/messages?beta=true",
+            json={
+                "model": "m",
+                "max_tokens": 30,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            headers={"x-api-key": c.anthropic.api_key},
+        )
+        return msg, kinds, final, raw
+
+    (msg, kinds, final, raw), records = scenario(proxy, body)
+    for m in (msg, final):
+        assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["text", "tool_use"]
+        assert m.content[0].text.strip() == "Let me check." and m.content[1].input == {"city": "Paris"}
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_stop" in kinds
+    names = [line[7:] for line in raw.text.splitlines() if line.startswith("event: ")]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert names[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert all(r.meta["api"] == "anthropic-messages" for r in records)
+
+
+def test_anthropic_count_tokens_matches_the_recorded_prompt(proxy):
+    async def body(c, _):
+        kwargs = {"model": "m", "system": "sys", "messages": [{"role": "user", "content": "hello"}]}
+        counted = await c.anthropic.messages.count_tokens(**kwargs)
+        await c.anthropic.messages.create(max_tokens=5, **kwargs)
+        return counted
+
+    counted, records = scenario(proxy, body)
+    assert counted.input_tokens == len(records[0].input_ids)
+
+
+# ---- auth, roles, admin ------------------------------------------------------------------------------------
+def test_keys_name_executions_and_errors_keep_each_apis_shape(proxy):
+    other = proxy.register_execution()
+    admin = {"Authorization": f"Bearer {proxy.admin_token}"}
+
+    async def body(c, execution_id):
+        out = {}
+        out["oa_missing"] = await c.http.post("/v1/chat/completions", json={})
+        out["an_unknown"] = await c.http.post("/v1/messages", json={}, headers={"x-api-key": "gyre-nope"})
+        mine = {"Authorization": f"Bearer {c.openai.api_key}"}
+        out["own_records"] = await c.http.get(f"/gyre/executions/{execution_id}/records", headers=mine)
+        out["other_records"] = await c.http.get(
+            f"/gyre/executions/{other['execution_id']}/records", headers=mine
+        )
+        out["admin_with_key"] = await c.http.post("/gyre/executions", headers=mine)
+        out["admin_records"] = await c.http.get(
+            f"/gyre/executions/{other['execution_id']}/records", headers=admin
+        )
+        out["drain_unknown"] = await c.http.post("/gyre/cells/nope/drain", headers=admin)
+        out["head"] = await c.http.head("/")
+        out["nowhere"] = await c.http.get("/v2/nothing")
+        return out
+
+    out, _ = scenario(proxy, body)
+    assert (
+        out["oa_missing"].status_code == 401
+        and out["oa_missing"].json()["error"]["type"] == "authentication_error"
+    )
+    assert out["an_unknown"].status_code == 401 and out["an_unknown"].json()["type"] == "error"
+    assert out["own_records"].status_code == 200
+    assert out["other_records"].status_code == 403
+    assert out["admin_with_key"].status_code == 401
+    assert out["admin_records"].status_code == 200
+    assert out["drain_unknown"].status_code == 404
+    assert out["head"].status_code == 200
+    assert out["nowhere"].status_code == 404 and "error" in out["nowhere"].json()
+
+
+def test_role_header_is_recorded_and_an_unknown_role_is_a_400(proxy):
+    async def body(c, _):
+        await c.openai.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Gyre-Role": "sub-agent"},
+        )
+        with pytest.raises(openai.BadRequestError, match="X-Gyre-Role"):
+            await c.openai.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"X-Gyre-Role": "chief"},
+            )
+
+    _, records = scenario(proxy, body)
+    assert [r.role for r in records] == ["sub-agent"]
+
+
+# ---- limits -------------------------------------------------------------------------------------------------
+def test_max_tokens_capped_to_context_and_over_long_prompts_rejected(tmp_path):
+    small = ChatCodec(CODEC.tokenizer, context_length=64)
+    lp = asyncio.run(build_local_proxy(small, _factory(), tmp_path, num_cells=1))
+
+    async def body(c, _):
+        ok = await c.openai.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5000
+        )
+        with pytest.raises(openai.BadRequestError, match="context length is 64"):
+            await c.openai.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "word " * 100}]
+            )
+        huge = await c.http.post(
+            "/v1/messages",
+            json={"model": "m", "max_tokens": 10**12, "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-api-key": c.anthropic.api_key},
+        )
+        return ok, huge
+
+    (ok, huge), records = scenario(lp, body)
+    assert huge.status_code == 400 and huge.json()["type"] == "error"
+    assert "the most this proxy accepts" in huge.json()["error"]["message"]
+    assert ok.choices[0].finish_reason == "stop"
+    assert len(records[0].input_ids) + len(records[0].output_ids) <= 64
+
+
+def test_concurrent_calls_per_execution_are_bounded(tmp_path):
+    section = ProxySection(max_concurrent_per_execution=1, queue_timeout_s=0.3)
+    lp = asyncio.run(
+        build_local_proxy(CODEC, _factory(token_delay_s=0.05), tmp_path, num_cells=1, section=section)
+    )
+
+    async def body(c, _):
+        async def call():
+            return await c.http.post(
+                "/v1/messages",
+                json={"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]},
+                headers={"x-api-key": c.anthropic.api_key},
+            )
+
+        return await asyncio.gather(call(), call())
+
+    responses, records = scenario(lp, body)
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [200, 429]
+    limited = next(r for r in responses if r.status_code == 429).json()
+    assert (
+        limited["error"]["type"] == "rate_limit_error" and "1 calls in flight" in limited["error"]["message"]
+    )
+    assert len(records) == 1
+
+
+def test_a_call_past_request_timeout_is_aborted_with_a_408(tmp_path):
+    section = ProxySection(request_timeout_s=0.3)
+    lp = asyncio.run(
+        build_local_proxy(CODEC, _factory(token_delay_s=0.05), tmp_path, num_cells=1, section=section)
+    )
+
+    async def body(c, _):
+        return await c.http.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100},
+            headers={"Authorization": f"Bearer {c.openai.api_key}"},
+        )
+
+    response, records = scenario(lp, body)
+    assert response.status_code == 408 and "request_timeout_s" in response.json()["error"]["message"]
+    assert len(records) == 1 and records[0].meta["finish_reason"] == "abort" and records[0].meta["failed"]
+    assert 0 < len(records[0].output_ids) < 100  # what the engine made before the abort is kept
+    assert all(cell.status()["inflight"] == 0 for cell in lp.cells.values())
+
+
+def test_a_non_streaming_call_survives_a_drain_of_its_cell(tmp_path):
+    lp = asyncio.run(
+        build_local_proxy(CODEC, _factory(token_delay_s=0.01, reply_length=1000), tmp_path, num_cells=2)
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0}
+
+    async def run(c, drain: bool):
+        headers = {"Authorization": f"Bearer {c.openai.api_key}"}
+        call = asyncio.create_task(c.http.post("/v1/chat/completions", json=body, headers=headers))
+        if drain:
+            await asyncio.sleep(0.15)
+            busy = next(cid for cid, cell in lp.cells.items() if cell.status()["inflight"])
+            assert await lp.service.drain(busy) == 1
+            await lp.service.undrain(busy)
+        return (await call).json()["choices"][0]["message"]["content"]
+
+    undisturbed, _ = scenario(lp, lambda c, _: run(c, False))
+    moved, records = scenario(lp, lambda c, _: run(c, True))
+    assert moved == undisturbed
+    assert records[0].meta["migrations"] == 1 and len(records[0].meta["cells"]) == 2
