@@ -91,7 +91,7 @@ def train(cfg: GyreConfig) -> dict[str, Any]:
             outcomes = run_step_executions(proxy, planned, cfg.agents, run_dir / "workspaces")
             groups = {p.execution_id: p.group for p in planned}
             metrics = train_on_outcomes(proxy, trainer, outcomes, groups, cfg, tokenizer.decode)
-            publish_weights(proxy, trainer.state_dict(), trainer.version)
+            proxy.update_weights(trainer.state_dict(), trainer.version)
             logger.log(step, metrics)
             steps.append(metrics)
             print(f"gyre-ray: step {step}: {format_step(metrics)}", flush=True)
@@ -148,14 +148,6 @@ def _logprob_mismatch(trainer: Any, batch: Any) -> float:
     mask = batch.tensors["loss_mask"]
     diff = (trainer.compute_logprobs(batch) - batch.tensors["old_logprobs"]).abs()
     return float(diff[mask].max()) if bool(mask.any()) else 0.0
-
-
-def publish_weights(proxy: Any, state: dict[str, Any], version: int) -> None:
-    """Send the new weights to every rollout cell (through the object store, once)."""
-    import ray
-
-    ref = ray.put(state)
-    ray.get([actor.update_weights.remote(ref, version) for actor in proxy.cell_actors()])
 
 
 def format_step(m: dict[str, Any]) -> str:

@@ -40,13 +40,13 @@ def test_harness_sees_proxy_urls_key_and_task(tmp_path: Path) -> None:
 def test_timeout_ends_the_harness_and_still_scores_the_workspace(tmp_path: Path) -> None:
     # Writes half of the target characters, then hangs (with a child process) past the timeout.
     code = (
-        "import subprocess, sys, time; open('answer.txt','w').write('ae'); "
+        "import subprocess, sys, time; open('answer.txt','w').write('aexx'); "
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
     )
     task = Task("vowels", "x", evaluate=char_coverage_evaluator("aeiu"))
     out = run_execution("e2", task, ENDPOINT, tmp_path / "ws", command=_py(code), timeout_s=2)
     assert out.timed_out and out.exit_code is None
-    assert out.reward == pytest.approx(0.5)
+    assert out.reward == pytest.approx(0.5 * 2 / 4 + 0.5 * 2 / 4)  # coverage 2/4, density 2/4
     assert out.valid and out.detail.startswith("timed out")
     assert out.duration_s < 20
 

@@ -2,7 +2,7 @@
 
 It talks to the proxy through the official `openai` SDK, like any black-box harness, and leaves the
 kinds of branches long-horizon harnesses leave: a multi-turn main conversation with a tool
-(write_file), a retried call, a sub-agent with its own system prompt, and a context compaction
+(write_file), a retried call, two sub-agents with their own system prompt, and a context compaction
 (a summary call, then a fresh main conversation seeded by the summary). Roles are declared with
 the `X-Gyre-Role` header. Its answer goes to `answer.txt` in the workspace, which the task's
 evaluator scores.
@@ -82,7 +82,7 @@ class ToyAgent:
             messages.append({"role": "user", "content": "Saved. Improve the answer."})
 
     def run(self, turns: int = 2) -> None:
-        """Main turns, a retry, a sub-agent, a compaction, then one more main turn."""
+        """Main turns, a retry, two sub-agents, a compaction, then one more main turn."""
         messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": self.task}]
         for _ in range(turns):
             self._act(messages, self._chat(messages, "main").choices[0].message)
@@ -90,15 +90,16 @@ class ToyAgent:
         # keeps the second answer, the first stays a sibling branch in the tree.
         self._chat(messages, "main")
         self._act(messages, self._chat(messages, "main").choices[0].message)
-        sub = self._chat(
-            [
-                {"role": "system", "content": SUB_SYSTEM},
-                {"role": "user", "content": f"Help with: {self.task}"},
-            ],
-            "sub-agent",
-            tools=False,
-        )
-        messages.append({"role": "user", "content": f"Sub-agent says: {sub.choices[0].message.content}"})
+        for question in ("Help with", "Double-check"):
+            sub = self._chat(
+                [
+                    {"role": "system", "content": SUB_SYSTEM},
+                    {"role": "user", "content": f"{question}: {self.task}"},
+                ],
+                "sub-agent",
+                tools=False,
+            )
+            messages.append({"role": "user", "content": f"Sub-agent says: {sub.choices[0].message.content}"})
         summary = self._chat(
             messages + [{"role": "user", "content": SUMMARY_PROMPT}], "main-summary", tools=False
         )

@@ -130,6 +130,11 @@ class RolloutCell:
             await self._engine().abort(rid)
         return True
 
+    async def update_weights(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
+        """Load new policy weights into the engine at its next safe point; returns `status()`."""
+        await self._engine().update_weights(state_dict, version)
+        return self.status()
+
     async def drain(self) -> int:
         """Stop taking requests and hand every in-flight one back as `Migrated`; returns how many moved."""
         self.draining = True

@@ -1,34 +1,40 @@
 """The toy task set: small text-writing tasks whose score is graded, so a random tiny model's
 executions differ in reward and group-normalised advantages carry signal.
 
-Each task asks the agent to write `answer.txt`; the evaluator scores the fraction of the
-task's target characters present in it (partial credit by construction), and invalidates the
-execution when the workspace has no readable answer at all.
+Each task asks the agent to write `answer.txt`; the evaluator scores how well it covers and
+concentrates on the task's target characters (partial credit by construction), and invalidates
+the execution when its answer cannot be read.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gyre_ray.envs.base import EvalResult, Task
+from gyre_ray.envs.base import EvalResult, Evaluator, Task
 
 ANSWER_FILE = "answer.txt"
 
 
-def char_coverage_evaluator(targets: str) -> callable:
-    """Reward = share of distinct characters of `targets` that appear in answer.txt."""
+def char_coverage_evaluator(targets: str) -> Evaluator:
+    """Reward = half for coverage (share of distinct target characters present in answer.txt) and half
+    for density (share of the answer's characters that are target characters): graded, so executions
+    of one task differ and their group-normalised advantages carry signal."""
     wanted = set(targets)
 
     def evaluate(workspace: Path) -> EvalResult:
         path = workspace / ANSWER_FILE
         if not path.is_file():
-            return EvalResult(0.0, valid=True, detail="no answer.txt: reward 0")
+            return EvalResult(0.0, detail="no answer.txt: reward 0")
         try:
             text = path.read_text(errors="replace")
         except OSError as exc:
             return EvalResult(0.0, valid=False, detail=f"answer.txt unreadable: {exc}")
-        hit = len(wanted & set(text))
-        return EvalResult(hit / len(wanted), detail=f"{hit}/{len(wanted)} target characters")
+        chars = [c for c in text if not c.isspace()]
+        coverage = len(wanted & set(chars)) / len(wanted)
+        density = sum(c in wanted for c in chars) / len(chars) if chars else 0.0
+        return EvalResult(
+            0.5 * coverage + 0.5 * density, detail=f"coverage {coverage:.2f}, density {density:.3f}"
+        )
 
     return evaluate
 

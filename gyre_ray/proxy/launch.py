@@ -89,6 +89,16 @@ class ProxyHandle:
     def stats(self) -> dict[str, Any]:
         return self._admin("GET", "/gyre/stats").json()
 
+    def update_weights(self, state_dict: dict[str, Any], version: int, timeout_s: float = 300.0) -> None:
+        """Publish new weights to every rollout cell: one copy in the object store, loaded at a safe point."""
+        import ray
+
+        ref = ray.put(state_dict)
+        ray.get(
+            [actor.update_weights.remote(ref, version) for actor in self._pool.actors.values()],
+            timeout=timeout_s,
+        )
+
     def shutdown(self) -> None:
         """Delete the Serve app, kill the cells and the store; stop Ray if this handle started it."""
         import ray
@@ -184,7 +194,10 @@ def start_proxy(
     try:
         settings, pool, store = start_backends(config, engine_factory, timeout_s=timeout_s)
         port = section.port or free_port(section.host)
-        serve.start(http_options={"host": section.host, "port": port})
+        serve.start(
+            http_options={"host": section.host, "port": port},
+            logging_config={"log_level": "WARNING", "enable_access_log": False},
+        )
         serve.run(
             proxy_application(settings),
             name=app_name,
