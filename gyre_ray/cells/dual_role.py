@@ -1,0 +1,230 @@
+"""A dual-role cell: a `RolloutCell` that also holds a trainer replica and switches between the two roles.
+
+One role is active at a time. The switch protocol (the caller, e.g. `gyre_ray.elastic.step`, drives it):
+
+    proxy.drain(cell)                  # the proxy stops routing here; in-flight requests move with their KV
+    cell.to_training(weights, v)       # engine releases memory, trainer loads weights v (core: keeps its own)
+    cell.train(micro_batch) ...        # forward/backward, gradients *summed* (any number of calls)
+    cell.export_grads()                # satellite: hand the sum to the core (and zero it here)
+    cell.to_rollout(weights, v)        # trainer drops nothing un-exported; engine resumes and loads weights v
+    proxy.undrain(cell)
+
+Cell 0 is the **core**: it owns the authoritative weights and the optimizer state. It imports the
+satellites' gradients (`import_grads`), steps once (`optimizer_step(scale)`, scale = 1 / executions)
+and its `state_dict()` is what everyone loads next. The core keeps its accumulated gradients across
+role switches (it is the step's accumulator); a satellite refuses to go back to rollout holding
+gradients it has not exported, so no work can be lost silently. Trainer operations are serialised by a
+lock, so an `import_grads` never races a backward pass. Plain Python: Ray wraps it in
+`gyre_ray.elastic.launch`, tests also run it in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gyre_ray.cells.cell import EngineFactory, RolloutCell
+from gyre_ray.trainers.base import Trainer
+from gyre_ray.trainers.batch import MicroBatch
+
+ROLLOUT, TRAIN = "rollout", "train"
+
+
+@dataclass
+class TrainerFactory:
+    """Builds the trainer replica inside the cell: the `model`, `trainer` and `algo` sections (dumped dicts)."""
+
+    model: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict)
+    algo: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> Trainer:
+        from gyre_ray.algo import get_loss
+        from gyre_ray.algo.config import AlgoSection
+        from gyre_ray.model import load_policy
+        from gyre_ray.model.config import ModelSection
+        from gyre_ray.trainers.config import TrainerSection
+        from gyre_ray.trainers.factory import make_trainer
+
+        algo = AlgoSection.model_validate(self.algo)
+        model, _, args = load_policy(ModelSection.model_validate(self.model))
+        return make_trainer(
+            TrainerSection.model_validate(self.trainer), model, args, get_loss(algo.name, algo)
+        )
+
+
+class DualRoleCell(RolloutCell):
+    """A rollout cell that can become a trainer replica (and back) while the proxy keeps agents running."""
+
+    def __init__(
+        self,
+        cell_id: str,
+        engine_factory: EngineFactory,
+        trainer_factory: TrainerFactory,
+        torch_threads: int | None = None,
+        is_core: bool | None = None,
+    ) -> None:
+        super().__init__(cell_id, engine_factory, torch_threads)
+        self.trainer_factory = trainer_factory
+        self.trainer: Trainer | None = None
+        self.is_core = cell_id.endswith("-0") if is_core is None else is_core
+        self._role = ROLLOUT
+        self._lock = asyncio.Lock()
+        self._trained = 0  # micro-batches trained here since the last export (or optimizer step)
+
+    async def setup(self) -> dict[str, Any]:
+        """Build the engine and the trainer replica (heavy: both load the model); returns `status()`."""
+        await super().setup()
+        if self.trainer is None:
+            self.trainer = await asyncio.to_thread(self.trainer_factory)
+        return self.status()
+
+    @property
+    def role(self) -> str:
+        return self._role
+
+    def status(self) -> dict[str, Any]:
+        status = super().status()
+        trainer = self.trainer
+        status.update(
+            is_core=self.is_core,
+            trainer_version=None if trainer is None else trainer.version,
+            unexported_micro_batches=self._trained,
+        )
+        return status
+
+    # ---- role switches --------------------------------------------------------------------------
+    async def to_training(
+        self, weights: dict[str, Any] | None, version: int, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
+        """Become a trainer: wait for migrated requests to leave, free the engine, load `weights` at `version`.
+
+        The caller must have drained the cell in the proxy first. The core may pass `weights=None`
+        (it keeps its authoritative weights); a satellite must pass the core's weights.
+        """
+        started = time.perf_counter()
+        if self._role == TRAIN:
+            raise RuntimeError(f"cell {self.cell_id} is already training")
+        if not self.draining:
+            raise RuntimeError(f"cell {self.cell_id}: drain it in the proxy before switching it to training")
+        await self._wait_idle(timeout_s)
+        await self._engine().release_memory()
+        trainer = self._trainer()
+        async with self._lock:
+            if weights is not None:
+                await asyncio.to_thread(trainer.load_state_dict, weights, version)
+            elif not self.is_core:
+                raise ValueError(f"satellite {self.cell_id} needs the core's weights to train")
+            elif trainer.version != version:
+                raise RuntimeError(
+                    f"core {self.cell_id} holds version {trainer.version}, asked for {version}"
+                )
+        self._role = TRAIN
+        return {"seconds": time.perf_counter() - started, "version": trainer.version}
+
+    async def to_rollout(
+        self, weights: dict[str, Any] | None, version: int, discard_grads: bool = False
+    ) -> dict[str, Any]:
+        """Become a rollout engine again, serving `weights` at `version` (core: its own when None).
+
+        A satellite holding un-exported gradients refuses unless `discard_grads`; the core keeps its
+        gradients (they are the step's accumulator). The caller undrains the cell afterwards.
+        """
+        started = time.perf_counter()
+        if self._role != TRAIN:
+            raise RuntimeError(f"cell {self.cell_id} is not training")
+        trainer = self._trainer()
+        async with self._lock:
+            if not self.is_core:
+                if self._trained and not discard_grads:
+                    raise RuntimeError(
+                        f"satellite {self.cell_id} holds gradients of {self._trained} micro-batch(es): "
+                        "export them to the core first"
+                    )
+                trainer.zero_grads()
+                self._trained = 0
+            if weights is None:
+                if not self.is_core:
+                    raise ValueError(f"satellite {self.cell_id} needs weights to serve")
+                weights = await asyncio.to_thread(trainer.state_dict)
+                version = trainer.version
+        engine = self._engine()
+        await engine.resume_memory()
+        await engine.update_weights(weights, version)
+        self._role = ROLLOUT
+        return {"seconds": time.perf_counter() - started, "version": version}
+
+    # ---- training -------------------------------------------------------------------------------
+    async def train(self, batch: MicroBatch) -> dict[str, Any]:
+        """Forward/backward on one micro-batch; gradients add to what this replica holds (sum semantics)."""
+        if self._role != TRAIN:
+            raise RuntimeError(f"cell {self.cell_id} is not training (role {self._role})")
+        trainer = self._trainer()
+        started = time.perf_counter()
+        async with self._lock:
+            metrics = await asyncio.to_thread(trainer.forward_backward, batch)
+        self._trained += 1
+        metrics["seconds"] = time.perf_counter() - started
+        return metrics
+
+    async def export_grads(self) -> dict[str, Any]:
+        """The summed gradients of this replica (CPU tensors by name); they are zeroed here."""
+        trainer = self._trainer()
+        async with self._lock:
+            grads = await asyncio.to_thread(trainer.export_grads)
+            trainer.zero_grads()
+            self._trained = 0
+        return grads
+
+    async def import_grads(self, grads: dict[str, Any]) -> int:
+        """Core: add a satellite's exported gradients; returns how many tensors were added."""
+        self._require_core("import_grads")
+        trainer = self._trainer()
+        async with self._lock:
+            await asyncio.to_thread(trainer.import_grads, grads)
+        return len(grads)
+
+    async def optimizer_step(self, scale: float) -> dict[str, float]:
+        """Core: scale the summed gradients once by `scale`, clip, step; the new version is then published."""
+        self._require_core("optimizer_step")
+        trainer = self._trainer()
+        async with self._lock:
+            metrics = await asyncio.to_thread(trainer.optimizer_step, scale)
+            self._trained = 0
+        return metrics
+
+    async def state_dict(self) -> dict[str, Any]:
+        """The trainer's weights (core: the authoritative ones), for satellites and engines."""
+        trainer = self._trainer()
+        async with self._lock:
+            return await asyncio.to_thread(trainer.state_dict)
+
+    def trainer_version(self) -> int:
+        return self._trainer().version
+
+    async def save(self, folder: str) -> str:
+        """Core: write the checkpoint (HF folder + optimizer state); returns the folder."""
+        self._require_core("save")
+        trainer = self._trainer()
+        async with self._lock:
+            return str(await asyncio.to_thread(trainer.save, folder))
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _trainer(self) -> Trainer:
+        if self.trainer is None:
+            raise RuntimeError(f"cell {self.cell_id} has no trainer: call setup() first")
+        return self.trainer
+
+    def _require_core(self, what: str) -> None:
+        if not self.is_core:
+            raise RuntimeError(f"{what} runs on the core only; {self.cell_id} is a satellite")
+
+    async def _wait_idle(self, timeout_s: float) -> None:
+        """Wait until every drained request has left (their streams end right after the export)."""
+        deadline = time.monotonic() + timeout_s
+        while self._inflight:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell {self.cell_id}: {len(self._inflight)} request(s) still in flight")
+            await asyncio.sleep(0.005)

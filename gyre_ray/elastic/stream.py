@@ -1,0 +1,111 @@
+"""The streaming micro-batch queue of one training step: plain bookkeeping, no Ray.
+
+Micro-batches arrive (as Ray object refs, or anything) as soon as a group of executions has ended
+and been processed; whichever training cell is free claims the next one; a claim is either trained
+or handed back (the cell left). When the queue is sealed (no more groups to come) and every
+micro-batch is trained, the step is complete: the gradients of every cell that trained are summed
+on the core and scaled once by `scale` = 1 / (distinct executions in the step's micro-batches),
+exactly as `gyre_ray.algo.gspo.step_scale` does for the single-trainer loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class QueuedMicroBatch:
+    """One micro-batch of the step: where its data lives and who claimed / trained it."""
+
+    index: int
+    ref: Any
+    execution_ids: tuple[str, ...]
+    claimed_by: str | None = None
+    trained_by: str | None = None
+
+
+class MicroBatchStream:
+    """FIFO of a step's micro-batches with claims; knows when the step's data is all trained."""
+
+    def __init__(self) -> None:
+        self.items: list[QueuedMicroBatch] = []
+        self._unclaimed: deque[int] = deque()
+        self.sealed = False
+
+    def put(self, ref: Any, execution_ids: Iterable[str]) -> int:
+        """Queue a micro-batch; returns its index."""
+        if self.sealed:
+            raise RuntimeError("the step's micro-batch queue is sealed: no more micro-batches")
+        item = QueuedMicroBatch(len(self.items), ref, tuple(execution_ids))
+        self.items.append(item)
+        self._unclaimed.append(item.index)
+        return item.index
+
+    def seal(self) -> None:
+        """No more micro-batches will come for this step."""
+        self.sealed = True
+
+    def claim(self, cell_id: str) -> QueuedMicroBatch | None:
+        """The oldest unclaimed micro-batch, now claimed by `cell_id` (None when none is queued)."""
+        if not self._unclaimed:
+            return None
+        item = self.items[self._unclaimed.popleft()]
+        item.claimed_by = cell_id
+        return item
+
+    def trained(self, index: int, cell_id: str) -> None:
+        """`cell_id` has added the gradients of micro-batch `index` to its replica."""
+        item = self.items[index]
+        if item.claimed_by != cell_id or item.trained_by is not None:
+            raise RuntimeError(
+                f"micro-batch {index} is claimed by {item.claimed_by!r} (trained by {item.trained_by!r}), "
+                f"not trainable by {cell_id!r}"
+            )
+        item.trained_by = cell_id
+
+    def give_back(self, index: int) -> None:
+        """A claim that was not trained (the cell failed or left): the micro-batch goes first in line."""
+        item = self.items[index]
+        if item.trained_by is not None:
+            raise RuntimeError(f"micro-batch {index} is already trained by {item.trained_by!r}")
+        item.claimed_by = None
+        self._unclaimed.appendleft(index)
+
+    @property
+    def queued(self) -> int:
+        """Micro-batches waiting for a trainer."""
+        return len(self._unclaimed)
+
+    @property
+    def in_training(self) -> int:
+        return sum(1 for i in self.items if i.claimed_by is not None and i.trained_by is None)
+
+    @property
+    def trained_count(self) -> int:
+        return sum(1 for i in self.items if i.trained_by is not None)
+
+    @property
+    def complete(self) -> bool:
+        """Sealed and every micro-batch trained (also true for a sealed, empty step)."""
+        return self.sealed and self.trained_count == len(self.items)
+
+    def executions(self) -> set[str]:
+        return {e for item in self.items for e in item.execution_ids}
+
+    def scale(self) -> float:
+        """1 / distinct executions across the step's micro-batches (the optimizer step's `scale`)."""
+        executions = self.executions()
+        if not executions:
+            raise ValueError("no executions in this step's micro-batches; nothing to scale")
+        return 1.0 / len(executions)
+
+    def trained_by_cell(self) -> dict[str, int]:
+        """Micro-batches trained per cell."""
+        counts: dict[str, int] = {}
+        for item in self.items:
+            if item.trained_by is not None:
+                counts[item.trained_by] = counts.get(item.trained_by, 0) + 1
+        return counts
