@@ -1,12 +1,13 @@
 """The training job: `gyre-ray train --config jobs/configs/toy.yaml [overrides]`.
 
-One RL step reads like the algorithm: launch a group of executions per task through the proxy,
-score their workspaces, turn each execution's recorded calls into a budgeted prefix-tree sample
-with group-normalised advantages, accumulate GSPO gradients over the micro-batches, step the
-optimizer once (scaled by the number of executions) and publish the new weights to the rollout
-cells. Everything lands in a run folder: config, call records, metrics, summary and checkpoint.
-
-This driver runs the on-policy (colocate-like) loop; the elastic scheduler drives the same pieces.
+It builds dual-role cells (cell 0 is the core: authoritative weights and optimizer state), the
+proxy in front of them, and runs RL steps. In each step the scheduler policy (`scheduler.policy`:
+elastic, colocate or async, the same objects the simulator drives) launches a group of executions
+per task through the proxy, moves cells between rollout and training while agents keep running,
+and trainers claim the micro-batches of each finished group (records -> prefix trees -> budgeted,
+packed samples with group-normalised advantages). The core sums the gradients, steps once (scaled
+by the number of executions) and every cell rolls out the new version. Everything lands in a run
+folder: config, call records, metrics, summary, workspaces and the core's checkpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -64,38 +64,41 @@ def train(cfg: GyreConfig) -> dict[str, Any]:
     """Run `cfg.run.steps` RL steps end to end and return the run summary (also saved as summary.json)."""
     import ray
 
-    from gyre_ray.agents.launch import plan_step, run_step_executions
-    from gyre_ray.algo import get_loss
+    from gyre_ray.agents.launch import plan_step
+    from gyre_ray.elastic.launch import start_elastic_proxy
+    from gyre_ray.elastic.step import cell_actors, run_elastic_step
     from gyre_ray.envs.base import get_task_set
-    from gyre_ray.model import load_policy
+    from gyre_ray.model import load_tokenizer_and_args
     from gyre_ray.observability.metrics import MetricsLogger
-    from gyre_ray.proxy.launch import start_proxy
-    from gyre_ray.trainers.factory import make_trainer
+    from gyre_ray.scheduling.runtime import Costs
 
     run_dir = new_run_dir(cfg)
-    cfg = cfg.model_copy(
-        update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})}
-    )
+    cfg = cfg.model_copy(update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})})
     print(f"gyre-ray: run folder {run_dir}", flush=True)
-    connect_ray()
-    proxy = start_proxy(cfg)
-    print(f"gyre-ray: proxy at {proxy.base_url} with {len(proxy.cell_ids)} rollout cells", flush=True)
-    model, tokenizer, args = load_policy(cfg.model)
-    trainer = make_trainer(cfg.trainer, model, args, get_loss(cfg.algo.name, cfg.algo))
-    logger = MetricsLogger(run_dir, run_dir.name, json.loads(cfg.model_dump_json()), cfg.run.wandb_mode)
+    tokenizer, args = load_tokenizer_and_args(cfg.model)
     tasks = get_task_set(cfg.agents.task_set)
+    connect_ray()
+    proxy = start_elastic_proxy(cfg)
+    print(
+        f"gyre-ray: proxy at {proxy.base_url}; {len(proxy.cell_ids)} dual-role cells "
+        f"({proxy.cell_ids[0]} is the core); scheduler policy {cfg.scheduler.policy}",
+        flush=True,
+    )
+    logger = MetricsLogger(run_dir, run_dir.name, json.loads(cfg.model_dump_json()), cfg.run.wandb_mode)
     steps: list[dict[str, Any]] = []
+    costs: Costs | None = None
     try:
         for step in range(cfg.run.steps):
             planned = plan_step(step, tasks, cfg.run.tasks_per_step, cfg.algo.group_size)
-            outcomes = run_step_executions(proxy, planned, cfg.agents, run_dir / "workspaces")
-            groups = {p.execution_id: p.group for p in planned}
-            metrics = train_on_outcomes(proxy, trainer, outcomes, groups, cfg, tokenizer.decode)
-            proxy.update_weights(trainer.state_dict(), trainer.version)
+            metrics = run_elastic_step(
+                proxy, planned, cfg, run_dir / "workspaces", decode=tokenizer.decode, vocab_size=args.vocab_size, costs=costs
+            )
+            costs = Costs(**metrics["costs"])  # measured switch and micro-step costs inform the next step
             logger.log(step, metrics)
             steps.append(metrics)
             print(f"gyre-ray: step {step}: {format_step(metrics)}", flush=True)
-        checkpoint = trainer.save(run_dir / "checkpoint")
+        core = cell_actors(proxy)[proxy.cell_ids[0]]
+        checkpoint = ray.get(core.save.remote(str(run_dir / "checkpoint")), timeout=600)
     finally:
         logger.close()
         proxy.shutdown()
@@ -103,51 +106,6 @@ def train(cfg: GyreConfig) -> dict[str, Any]:
     summary = {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "steps": steps}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def train_on_outcomes(
-    proxy: Any, trainer: Any, outcomes: list[Any], groups: dict[str, str], cfg: GyreConfig, decode: Any
-) -> dict[str, Any]:
-    """Records -> trees -> micro-batches -> one optimizer step; returns the step's metrics."""
-    from gyre_ray.algo.gspo import step_scale
-    from gyre_ray.trajectory.pipeline import build_training_batches, process_execution
-
-    valid = [o for o in outcomes if o.valid]
-    records = {o.execution_id: proxy.records(o.execution_id) for o in valid}
-    for outcome in outcomes:
-        proxy.finish_execution(outcome.execution_id)
-    rewards = {o.execution_id: o.reward for o in valid}
-    vocab = trainer.args.vocab_size
-    trees = [process_execution(r, cfg.trajectory, decode, vocab).stats() for r in records.values() if r]
-    batches = build_training_batches(records, rewards, groups, cfg, decode=decode, vocab_size=vocab)
-    metrics: dict[str, Any] = {
-        "executions": len(outcomes),
-        "valid": len(valid),
-        "timed_out": sum(o.timed_out for o in outcomes),
-        "reward_mean": statistics.fmean(rewards.values()) if rewards else 0.0,
-        "calls": sum(t["calls"] for t in trees),
-        "paths_total": sum(t["paths_total"] for t in trees),
-        "paths_selected": sum(t["paths_selected"] for t in trees),
-        "tokens_expanded_all": sum(t["tokens_expanded_all"] for t in trees),
-        "tokens_packed_selected": sum(t["tokens_packed_selected"] for t in trees),
-        "loss_tokens": sum(t["loss_tokens_selected"] for t in trees),
-        "micro_batches": len(batches),
-    }
-    if not batches:
-        metrics["skipped"] = "no executions with model-generated tokens"
-        return metrics
-    metrics["logprob_mismatch_max"] = max(_logprob_mismatch(trainer, b) for b in batches)
-    losses = [trainer.forward_backward(b)["loss"] for b in batches]
-    step_metrics = trainer.optimizer_step(step_scale(batches))
-    metrics.update(loss=sum(losses), grad_norm=step_metrics.get("grad_norm"), version=trainer.version)
-    return metrics
-
-
-def _logprob_mismatch(trainer: Any, batch: Any) -> float:
-    """Largest |engine logprob - trainer logprob| over the batch's loss tokens (0 = no mismatch)."""
-    mask = batch.tensors["loss_mask"]
-    diff = (trainer.compute_logprobs(batch) - batch.tensors["old_logprobs"]).abs()
-    return float(diff[mask].max()) if bool(mask.any()) else 0.0
 
 
 def format_step(m: dict[str, Any]) -> str:
@@ -158,10 +116,14 @@ def format_step(m: dict[str, Any]) -> str:
         f"{m['loss_tokens']} loss tokens"
     )
     if "loss" in m:
-        text += (
-            f", loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}, "
-            f"engine/trainer logprob gap {m['logprob_mismatch_max']:.2e}, weights v{m['version']}"
-        )
+        text += f", loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}"
+        if "logprob_gap_max" in m:
+            text += f", engine/trainer logprob gap {m['logprob_gap_max']:.2e}"
+        trained = ", ".join(f"{cell} {n}" for cell, n in sorted(m.get("trained_by_cell", {}).items()))
+        text += f", micro-batches trained by cell: {trained}, weights v{m['version']}"
+    switches = m.get("switches", [])
+    if switches:
+        text += f"; {len(switches)} role switches"
     return text
 
 

@@ -123,6 +123,8 @@ def tree_gspo_loss(
     metrics["loss"] = float(loss.detach())
     metrics["loss_tokens"] = int(mask.sum())
     metrics["executions"] = batch.num_executions
+    # Behaviour (engine) vs current (trainer) log-probs: 0 on-policy, up to numerics.
+    metrics["logprob_gap_max"] = float(log_ratio.detach().abs().max()) if bool(mask.any()) else 0.0
     return loss, metrics
 
 

@@ -89,6 +89,7 @@ class _ElasticStep:
         self.events: list[dict[str, Any]] = []
         self.micro_steps: list[float] = []
         self.losses: list[float] = []
+        self.logprob_gap = 0.0  # largest |engine - trainer| log-prob on a loss token this step
         self.trees: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
 
@@ -182,6 +183,7 @@ class _ElasticStep:
             self.stream.trained(item, view.cell_id)
             self.has_grads[index] = True
             self.losses.append(metrics["loss"])
+            self.logprob_gap = max(self.logprob_gap, metrics.get("logprob_gap_max", 0.0))
             self.micro_steps.append(time.perf_counter() - started)
             self.costs = dataclasses.replace(self.costs, micro_step_s=statistics.fmean(self.micro_steps))
             view.training_since = None
@@ -309,7 +311,11 @@ class _ElasticStep:
             "version": version,
         }
         if step_metrics:
-            metrics.update(loss=sum(self.losses), grad_norm=step_metrics.get("grad_norm"))
+            metrics.update(
+                loss=sum(self.losses),
+                grad_norm=step_metrics.get("grad_norm"),
+                logprob_gap_max=self.logprob_gap,
+            )
         else:
             metrics["skipped"] = "no executions with model-generated tokens"
         return metrics

@@ -26,7 +26,7 @@ _LAZY = {
     "load_hf": "gyre_ray.model.checkpoint",
     "Tokenizer": "gyre_ray.model.tokenizer",
 }
-__all__ = [*_LAZY, "load_policy"]
+__all__ = [*_LAZY, "load_policy", "load_tokenizer_and_args"]
 
 
 def __getattr__(name: str) -> Any:
@@ -35,28 +35,39 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'gyre_ray.model' has no attribute {name!r}")
 
 
-def load_policy(section: ModelSection) -> tuple[Qwen3ForCausalLM, Tokenizer, ModelArgs]:
-    """Build the policy described by the `model` config section (in eval mode)."""
+def load_tokenizer_and_args(section: ModelSection) -> tuple[Tokenizer, ModelArgs]:
+    """The policy's tokenizer and hyper-parameters without building its weights (for drivers and proxies)."""
     from gyre_ray.model.arch import ModelArgs
-    from gyre_ray.model.checkpoint import dtype_from_name, load_hf
-    from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
+    from gyre_ray.model.checkpoint import read_hf_config
     from gyre_ray.model.tokenizer import TOKENIZER_FILE, Tokenizer
 
-    dtype = dtype_from_name(section.dtype)
     if section.path:
-        model, args = load_hf(section.path, dtype=dtype)
         folder = Path(section.path)
+        args = read_hf_config(folder)
         tokenizer = (
             Tokenizer.from_folder(folder) if (folder / TOKENIZER_FILE).is_file() else Tokenizer.default()
         )
     else:
         args = ModelArgs.preset(section.preset)
         args.torch_dtype = section.dtype
-        model = init_weights(Qwen3ForCausalLM(args, dtype=dtype), section.seed).eval()
         tokenizer = Tokenizer.default()
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(
             f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids but the model's vocab_size is "
             f"{args.vocab_size}; use a tokenizer that fits the model"
         )
+    return tokenizer, args
+
+
+def load_policy(section: ModelSection) -> tuple[Qwen3ForCausalLM, Tokenizer, ModelArgs]:
+    """Build the policy described by the `model` config section (in eval mode)."""
+    from gyre_ray.model.checkpoint import dtype_from_name, load_hf
+    from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
+
+    tokenizer, args = load_tokenizer_and_args(section)
+    dtype = dtype_from_name(section.dtype)
+    if section.path:
+        model, args = load_hf(section.path, dtype=dtype)
+    else:
+        model = init_weights(Qwen3ForCausalLM(args, dtype=dtype), section.seed).eval()
     return model, tokenizer, args
