@@ -1,8 +1,8 @@
-"""Launch a step's executions as Ray tasks: register each with the proxy, run its harness, collect outcomes.
+"""Plan a step's executions and run one of them: the pieces the scheduler loop launches as Ray tasks.
 
 Each execution gets its own API key from the proxy, so its calls are recorded under its own id,
 and its own workspace under the run folder. Harness subprocesses are light (they wait on the
-model), so the Ray tasks ask for no CPU and the rollout cells keep theirs.
+model), so their Ray tasks ask for no CPU and the cells keep theirs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 from gyre_ray.agents.config import AgentSection
 from gyre_ray.agents.runner import Endpoint, ExecutionOutcome, harness_command, run_execution
 from gyre_ray.envs.base import Task, get_task_set
-from gyre_ray.observability.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ def plan_step(step: int, tasks: list[Task], tasks_per_step: int, group_size: int
     ]
 
 
-def _run_one(
+def run_planned_execution(
     execution_id: str,
     task_set: str,
     task_id: str,
@@ -58,36 +57,3 @@ def _run_one(
         timeout_s=cfg.timeout_s,
         env_extra=env,
     )
-
-
-def run_step_executions(
-    proxy: Any, planned: list[PlannedExecution], section: AgentSection, workspaces: Path
-) -> list[ExecutionOutcome]:
-    """Run every planned execution (at most `max_parallel` at once) and return their outcomes in plan order."""
-    import ray
-
-    remote = ray.remote(num_cpus=0)(_run_one)
-    pending: dict[Any, int] = {}
-    outcomes: list[ExecutionOutcome | None] = [None] * len(planned)
-    queue = list(enumerate(planned))
-    with Progress("rollout", total=len(planned)) as progress:
-        while queue or pending:
-            while queue and len(pending) < section.max_parallel:
-                index, item = queue.pop(0)
-                key = proxy.register_execution(item.execution_id, {"task_id": item.task.task_id})["api_key"]
-                ref = remote.remote(
-                    item.execution_id,
-                    section.task_set,
-                    item.task.task_id,
-                    Endpoint(proxy.base_url, key),
-                    str(workspaces / item.execution_id),
-                    section.model_dump(),
-                )
-                pending[ref] = index
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=5.0)
-            for ref in done:
-                index = pending.pop(ref)
-                outcomes[index] = ray.get(ref)
-            finished = sum(o is not None for o in outcomes)
-            progress.update(finished, note=f"{len(pending)} running")
-    return [o for o in outcomes if o is not None]

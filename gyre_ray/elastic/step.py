@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gyre_ray.agents.launch import PlannedExecution, _run_one
+from gyre_ray.agents.launch import PlannedExecution, run_planned_execution
 from gyre_ray.agents.runner import Endpoint
 from gyre_ray.elastic.stream import MicroBatchStream
+from gyre_ray.observability.progress import Progress
 from gyre_ray.scheduling.base import Policy
 from gyre_ray.scheduling.runtime import (
     CellView,
@@ -100,25 +101,35 @@ class _ElasticStep:
             if role is Role.TRAIN:
                 self._switch_to_train(index)
         deadline = self.t0 + timeout_s
-        while True:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"elastic step did not finish within {timeout_s:.0f} s")
-            self._apply(policy)
-            self._feed_trainers()
-            if not self.stream.sealed and len(self.processed) == len(self.groups):
-                self.stream.seal()
-            if self.stream.complete and not self.trains and not self.switches:
-                break
-            refs = [*self.tasks, *self.switches, *self.trains]
-            if not refs:
-                time.sleep(0.01)  # nothing in flight: the next decision hands out the work
-                continue
-            ready, _ = self.ray.wait(refs, num_returns=1, timeout=1.0)
-            if ready:
-                ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
-            for ref in ready:
-                self._finished(ref)
+        with Progress("step", total=len(self.planned)) as progress:
+            while True:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"elastic step did not finish within {timeout_s:.0f} s")
+                self._apply(policy)
+                self._feed_trainers()
+                if not self.stream.sealed and len(self.processed) == len(self.groups):
+                    self.stream.seal()
+                if self.stream.complete and not self.trains and not self.switches:
+                    break
+                refs = [*self.tasks, *self.switches, *self.trains]
+                if not refs:
+                    time.sleep(0.01)  # nothing in flight: the next decision hands out the work
+                    continue
+                ready, _ = self.ray.wait(refs, num_returns=1, timeout=1.0)
+                if ready:
+                    ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+                for ref in ready:
+                    self._finished(ref)
+                progress.update(len(self.outcomes), note=self._progress_note())
         return self._finish()
+
+    def _progress_note(self) -> str:
+        training = sum(v.role is Role.TRAIN for v in self.views)
+        trained = sum(self.stream.trained_by_cell().values())
+        return (
+            f"{len(self.tasks)} executions running, {training}/{len(self.views)} cells training, "
+            f"{trained}/{len(self.stream.items)} micro-batches trained"
+        )
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -194,7 +205,7 @@ class _ElasticStep:
     def _launch(self, exec_id: int, cell: int) -> None:
         item = self.planned[exec_id]
         key = self.proxy.register_execution(item.execution_id, {"task_id": item.task.task_id})["api_key"]
-        remote = self.ray.remote(num_cpus=0)(_run_one)
+        remote = self.ray.remote(num_cpus=0)(run_planned_execution)
         ref = remote.remote(
             item.execution_id, self.cfg.agents.task_set, item.task.task_id, Endpoint(self.proxy.base_url, key),
             str(self.workspaces / item.execution_id), self.cfg.agents.model_dump(),
