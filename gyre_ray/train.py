@@ -73,7 +73,9 @@ def train(cfg: GyreConfig) -> dict[str, Any]:
     from gyre_ray.scheduling.runtime import Costs
 
     run_dir = new_run_dir(cfg)
-    cfg = cfg.model_copy(update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})})
+    cfg = cfg.model_copy(
+        update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})}
+    )
     print(f"gyre-ray: run folder {run_dir}", flush=True)
     tokenizer, args = load_tokenizer_and_args(cfg.model)
     tasks = get_task_set(cfg.agents.task_set)
@@ -91,7 +93,13 @@ def train(cfg: GyreConfig) -> dict[str, Any]:
         for step in range(cfg.run.steps):
             planned = plan_step(step, tasks, cfg.run.tasks_per_step, cfg.algo.group_size)
             metrics = run_elastic_step(
-                proxy, planned, cfg, run_dir / "workspaces", decode=tokenizer.decode, vocab_size=args.vocab_size, costs=costs
+                proxy,
+                planned,
+                cfg,
+                run_dir / "workspaces",
+                decode=tokenizer.decode,
+                vocab_size=args.vocab_size,
+                costs=costs,
             )
             costs = Costs(**metrics["costs"])  # measured switch and micro-step costs inform the next step
             logger.log(step, metrics)
