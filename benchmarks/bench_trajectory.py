@@ -7,7 +7,7 @@ outputs of 16-64 tokens, tool results of 32-128 tokens, 15% of calls retried.
 
 Token figures are summed over `--executions` executions. Timing runs the tiny Qwen3 model
 (`ModelArgs.tiny()`, float32, CPU) on one training step of `--step-executions` executions,
-forward + backward of the tree GSPO loss over all its micro-batches, in four layouts:
+forward + backward of the tree GSPO loss over all its micro-batches, in five layouts:
 
 - `all_expanded`: every path of every execution on its own row, plain causal attention (the
   model's fused causal kernel);
@@ -45,25 +45,15 @@ from gyre_ray.trainers.batch import MicroBatch, token_logprobs
 from gyre_ray.trajectory.batching import micro_batches
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.trajectory.packing import split_roots
-from gyre_ray.trajectory.pipeline import execution_samples, process_execution
+from gyre_ray.trajectory.pipeline import TOKEN_FIGURES, execution_samples, process_execution
 from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_executions
 
-TOKEN_KEYS = (
-    "paths_total",
-    "paths_selected",
-    "tokens_expanded_all",
-    "tokens_packed_all",
-    "tokens_expanded_selected",
-    "tokens_packed_selected",
-    "loss_tokens_all",
-    "loss_tokens_selected",
-)
 TARGET_TIME_SAVING = 0.25  # budget-5 packed vs all-paths expanded (aim: 0.50)
 TARGET_PACKING_RATIO = 1.5  # all-paths expanded tokens / all-paths packed tokens
 
 
 def token_figures(processed: list) -> dict:
-    totals = {k: sum(p.stats()[k] for p in processed) for k in TOKEN_KEYS}
+    totals = {k: sum(p.stats()[k] for p in processed) for k in TOKEN_FIGURES}
     totals["executions"] = len(processed)
     totals["packing_ratio_all"] = totals["tokens_expanded_all"] / totals["tokens_packed_all"]
     totals["packing_ratio_selected"] = totals["tokens_expanded_selected"] / totals["tokens_packed_selected"]
@@ -113,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--executions", type=int, default=64, help="executions for the token figures")
     parser.add_argument("--step-executions", type=int, default=3, help="executions in the timed step")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds over the four layouts")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds over the five layouts")
     parser.add_argument("--budget", type=int, default=5)
     parser.add_argument("--row-tokens", type=int, default=TrajectorySection().row_tokens)
     parser.add_argument("--micro-batch-tokens", type=int, default=TrajectorySection().micro_batch_tokens)

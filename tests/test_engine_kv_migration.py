@@ -4,7 +4,7 @@ recomputed only where missing; states that do not fit are refused."""
 
 from __future__ import annotations
 
-import asyncio
+from asyncio import run
 
 import pytest
 
@@ -16,40 +16,20 @@ from gyre_ray.engines.base import (
     SamplingParams,
     UnknownRequestError,
 )
-from gyre_ray.engines.testing import (
-    generate_alone,
-    small_args,
-    small_engine,
-    small_model,
-    stream_until,
-    token_prompt,
-)
+from gyre_ray.engines.testing import GREEDY, generate_alone, small_model, stream_until, token_prompt
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM
-
-ARGS = small_args()
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
-
-
-@pytest.fixture
-def model() -> Qwen3ForCausalLM:
-    return small_model()
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.0, max_new_tokens=12, seed=99)])
 def test_exported_request_continues_on_another_engine_without_recomputing(
-    model: Qwen3ForCausalLM, sampling: SamplingParams
+    new_engine, model: Qwen3ForCausalLM, sampling: SamplingParams
 ) -> None:
     sampling = SamplingParams(**{**sampling.__dict__, "max_new_tokens": 120})
     request = GenerateRequest("m", token_prompt(17), sampling)
-    ref_engine = small_engine(model)
+    ref_engine = new_engine(model)
     reference = run(ref_engine.generate(request))
-    ref_engine.shutdown()
 
-    source, target = small_engine(model), small_engine(small_model())  # same weights, separate objects
+    source, target = new_engine(model), new_engine(small_model())  # same weights, separate objects
 
     async def migrate():
         await stream_until(source, request, 5)
@@ -73,15 +53,15 @@ def test_exported_request_continues_on_another_engine_without_recomputing(
     assert source.stats()["exported"] == 1
     with pytest.raises(UnknownRequestError, match="not running"):
         run(source.export_kv("m"))
-    source.shutdown()
-    target.shutdown()
 
 
 @pytest.mark.parametrize("kept", [0, 10])
-def test_import_with_partial_kv_prefills_only_the_missing_tokens(model: Qwen3ForCausalLM, kept: int) -> None:
+def test_import_with_partial_kv_prefills_only_the_missing_tokens(
+    new_engine, model: Qwen3ForCausalLM, kept: int
+) -> None:
     request = GenerateRequest("p", token_prompt(21), SamplingParams(temperature=0.0, max_new_tokens=120))
     reference = generate_alone(model, request)
-    source, target = small_engine(model), small_engine(model)
+    source, target = new_engine(model), new_engine(model)
 
     async def migrate():
         await stream_until(source, request, 4)
@@ -94,13 +74,11 @@ def test_import_with_partial_kv_prefills_only_the_missing_tokens(model: Qwen3For
     context = len(state.input_ids) + len(state.output_ids) - 1
     assert target.stats()["prefill_computed_tokens"] == context - kept
     assert target.stats()["imported_tokens"] == kept
-    source.shutdown()
-    target.shutdown()
 
 
-def test_import_refuses_states_that_do_not_fit(model: Qwen3ForCausalLM) -> None:
+def test_import_refuses_states_that_do_not_fit(new_engine, model: Qwen3ForCausalLM) -> None:
     request = GenerateRequest("q", token_prompt(12), SamplingParams(temperature=0.0, max_new_tokens=200))
-    source, target = small_engine(model), small_engine(model)
+    source, target = new_engine(model), new_engine(model)
 
     async def scenario():
         await stream_until(source, request, 3)
@@ -119,5 +97,3 @@ def test_import_refuses_states_that_do_not_fit(model: Qwen3ForCausalLM) -> None:
     resumed = run(scenario())
     assert 0 < len(resumed) <= 200 - 3 and resumed[-1] != ABORT_TOKEN_ID
     assert target.stats()["failed"] == 0
-    source.shutdown()
-    target.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from asyncio import run
 
 import pytest
 import torch
@@ -17,27 +18,14 @@ from gyre_ray.engines.base import (
 )
 from gyre_ray.engines.config import EngineSection
 from gyre_ray.engines.factory import make_engine
-from gyre_ray.engines.testing import small_args, small_engine, small_model, token_prompt
+from gyre_ray.engines.testing import GREEDY, token_prompt
 from gyre_ray.engines.torch_engine import TorchEngine
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM
 
-ARGS = small_args()
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
-
-@pytest.fixture
-def model() -> Qwen3ForCausalLM:
-    return small_model()
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def test_greedy_output_is_the_argmax_continuation(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model)
+def test_greedy_output_is_the_argmax_continuation(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model)
     result = run(engine.generate(GenerateRequest("r", token_prompt(9), GREEDY)))
-    engine.shutdown()
     ids = torch.tensor([token_prompt(9)])
     with torch.no_grad():
         for _ in range(GREEDY.max_new_tokens):
@@ -51,7 +39,7 @@ def test_greedy_output_is_the_argmax_continuation(model: Qwen3ForCausalLM) -> No
 # padding ratio 0: rows of unequal length never share a batch; 1e9: everything shares one padded batch
 @pytest.mark.parametrize("max_padding_ratio", [0.0, 1.0, 1e9])
 def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(
-    model: Qwen3ForCausalLM, max_padding_ratio: float
+    new_engine, model: Qwen3ForCausalLM, max_padding_ratio: float
 ) -> None:
     lengths = [5, 23, 40, 7, 61, 12]
     requests = [
@@ -60,11 +48,10 @@ def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(
         )
         for i, n in enumerate(lengths)
     ]
-    alone_engine = small_engine(model)
+    alone_engine = new_engine(model)
     alone = [run(alone_engine.generate(r)).output_ids for r in requests]
-    alone_engine.shutdown()
 
-    engine = small_engine(model, max_batch_size=4, max_padding_ratio=max_padding_ratio)
+    engine = new_engine(model, max_batch_size=4, max_padding_ratio=max_padding_ratio)
 
     async def staggered():
         outputs: dict[str, list[int]] = {}
@@ -87,7 +74,6 @@ def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(
 
     together = run(staggered())
     stats = engine.stats()
-    engine.shutdown()
     assert together == alone
     total = sum(len(t) for t in alone)
     # batching happened: fewer decode forwards than decoded tokens (unless no two rows may share)
@@ -96,9 +82,9 @@ def test_requests_joining_a_running_batch_get_the_tokens_they_get_alone(
     assert stats["running"] == 0 and stats["finished"] == len(requests)
 
 
-def test_seeded_sampling_does_not_depend_on_batch_companions(model: Qwen3ForCausalLM) -> None:
+def test_seeded_sampling_does_not_depend_on_batch_companions(new_engine, model: Qwen3ForCausalLM) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, seed=1234)
-    engine = small_engine(model)
+    engine = new_engine(model)
     alone = run(engine.generate(GenerateRequest("s", token_prompt(11), params)))
 
     async def crowded():
@@ -118,14 +104,13 @@ def test_seeded_sampling_does_not_depend_on_batch_companions(model: Qwen3ForCaus
             GenerateRequest("u", token_prompt(11), SamplingParams(temperature=1.0, max_new_tokens=16))
         )
     )
-    engine.shutdown()
     assert together.output_ids == alone.output_ids
     assert together.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
     assert unseeded.output_ids != alone.output_ids  # the seed, not the prompt, fixed the draw
 
 
-def test_abort_returns_partial_output_and_ends_the_stream(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model, max_batch_size=2)
+def test_abort_returns_partial_output_and_ends_the_stream(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model, max_batch_size=2)
     long = SamplingParams(temperature=0.0, max_new_tokens=400)
 
     async def scenario():
@@ -144,7 +129,6 @@ def test_abort_returns_partial_output_and_ends_the_stream(model: Qwen3ForCausalL
 
     events, partial, again, unknown = run(scenario())
     reference = run(engine.generate(GenerateRequest("b", token_prompt(6), long)))
-    engine.shutdown()
     assert partial.finish_reason == "abort"
     assert 3 <= len(partial.output_ids) < 400
     assert partial.output_ids == reference.output_ids[: len(partial.output_ids)]
@@ -154,8 +138,8 @@ def test_abort_returns_partial_output_and_ends_the_stream(model: Qwen3ForCausalL
     assert engine.stats()["aborted"] == 1
 
 
-def test_second_turn_reuses_the_first_turns_prompt_and_output(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model, prefix_cache_tokens=10_000)
+def test_second_turn_reuses_the_first_turns_prompt_and_output(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model, prefix_cache_tokens=10_000)
     turn1 = token_prompt(40)
     first = run(engine.generate(GenerateRequest("t1", turn1, GREEDY)))
     before = engine.stats()
@@ -163,25 +147,21 @@ def test_second_turn_reuses_the_first_turns_prompt_and_output(model: Qwen3ForCau
     turn2 = turn1 + first.output_ids + new_message
     second = run(engine.generate(GenerateRequest("t2", turn2, GREEDY)))
     after = engine.stats()
-    engine.shutdown()
     # every token whose KV exists is reused: the prompt and all outputs but the last one sampled
     reused = len(turn1) + len(first.output_ids) - 1
     assert second.cached_tokens == reused
     assert after["prefix_cached_tokens"] - before["prefix_cached_tokens"] == reused
     assert after["prefill_computed_tokens"] - before["prefill_computed_tokens"] == len(new_message) + 1
-    uncached = small_engine(model)
+    uncached = new_engine(model)
     assert run(uncached.generate(GenerateRequest("t2", turn2, GREEDY))).output_ids == second.output_ids
-    uncached.shutdown()
 
 
-def test_long_prompts_prefill_in_chunks_with_the_same_result(model: Qwen3ForCausalLM) -> None:
-    whole = small_engine(model)
-    chunked = small_engine(model, prefill_chunk_tokens=16)
+def test_long_prompts_prefill_in_chunks_with_the_same_result(new_engine, model: Qwen3ForCausalLM) -> None:
+    whole = new_engine(model)
+    chunked = new_engine(model, prefill_chunk_tokens=16)
     request = GenerateRequest("p", token_prompt(150), GREEDY)
     assert run(chunked.generate(request)).output_ids == run(whole.generate(request)).output_ids
     assert chunked.stats()["prefill_computed_tokens"] == 150
-    whole.shutdown()
-    chunked.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -200,12 +180,13 @@ def test_long_prompts_prefill_in_chunks_with_the_same_result(model: Qwen3ForCaus
         ([5, 6], SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
         ([5, 6], SamplingParams(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
         ([5, 6], SamplingParams(stop_token_ids=[9999]), r"stop_token_ids\[0\] = 9999"),
+        ([5, 6], SamplingParams(seed=2**64), r"seed must be in \[-2\*\*63, 2\*\*64 - 1\]"),
     ],
 )
 def test_bad_input_is_refused_naming_the_limit_while_others_keep_running(
-    model: Qwen3ForCausalLM, input_ids: list, sampling: SamplingParams, message: str
+    new_engine, model: Qwen3ForCausalLM, input_ids: list, sampling: SamplingParams, message: str
 ) -> None:
-    engine = small_engine(model)
+    engine = new_engine(model)
 
     async def scenario():
         good = asyncio.create_task(engine.generate(GenerateRequest("good", token_prompt(8), GREEDY)))
@@ -216,13 +197,12 @@ def test_bad_input_is_refused_naming_the_limit_while_others_keep_running(
 
     good = run(scenario())
     after = run(engine.generate(GenerateRequest("after", token_prompt(8), GREEDY)))
-    engine.shutdown()
     assert good.finish_reason == after.finish_reason == "length"
     assert good.output_ids == after.output_ids
 
 
-def test_duplicate_request_id_is_refused(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model)
+def test_duplicate_request_id_is_refused(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model)
 
     async def scenario():
         first = asyncio.create_task(engine.generate(GenerateRequest("dup", token_prompt(5), GREEDY)))
@@ -232,11 +212,10 @@ def test_duplicate_request_id_is_refused(model: Qwen3ForCausalLM) -> None:
         return await first
 
     assert run(scenario()).finish_reason == "length"
-    engine.shutdown()
 
 
-def test_stop_tokens_end_generation_and_are_returned(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model)
+def test_stop_tokens_end_generation_and_are_returned(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model)
     free = run(engine.generate(GenerateRequest("f", token_prompt(9), GREEDY)))
     stop_at = free.output_ids[4]
     stopped = run(
@@ -248,14 +227,13 @@ def test_stop_tokens_end_generation_and_are_returned(model: Qwen3ForCausalLM) ->
             )
         )
     )
-    engine.shutdown()
     cut = free.output_ids.index(stop_at) + 1
     assert stopped.output_ids == free.output_ids[:cut]
     assert stopped.finish_reason == "stop"
 
 
-def test_a_stream_dropped_by_its_consumer_is_aborted(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model)
+def test_a_stream_dropped_by_its_consumer_is_aborted(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model)
 
     async def scenario():
         stream = engine.stream(
@@ -271,22 +249,21 @@ def test_a_stream_dropped_by_its_consumer_is_aborted(model: Qwen3ForCausalLM) ->
 
     run(scenario())
     stats = engine.stats()
-    engine.shutdown()
     assert stats["aborted"] == 1 and stats["running"] == 0
     assert stats["decode_tokens"] < 500
 
 
 def test_factory_builds_torch_and_explains_missing_backends(model: Qwen3ForCausalLM) -> None:
-    engine = make_engine(EngineSection(max_batch_size=3, prefix_cache_tokens=0), model, ARGS, version=7)
+    engine = make_engine(EngineSection(max_batch_size=3, prefix_cache_tokens=0), model, model.args, version=7)
     assert isinstance(engine, TorchEngine) and engine.stats()["version"] == 7
     assert engine.stats()["max_batch_size"] == 3
     engine.shutdown()
     with pytest.raises(NotImplementedError, match="SGLang adapter is not available"):
-        make_engine(EngineSection(backend="sglang"), model, ARGS)
+        make_engine(EngineSection(backend="sglang"), model, model.args)
 
 
-def test_max_batch_size_bounds_the_running_requests(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model, max_batch_size=2)
+def test_max_batch_size_bounds_the_running_requests(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model, max_batch_size=2)
     seen = []
 
     async def one(i: int):
@@ -300,6 +277,5 @@ def test_max_batch_size_bounds_the_running_requests(model: Qwen3ForCausalLM) -> 
         await asyncio.gather(*(one(i) for i in range(5)))
 
     run(scenario())
-    engine.shutdown()
     assert max(r for r, _ in seen) == 2
     assert max(w for _, w in seen) >= 1

@@ -4,6 +4,7 @@ release frees the weights, requests wait (running ones pause) until new weights 
 from __future__ import annotations
 
 import asyncio
+from asyncio import run
 
 import pytest
 import torch
@@ -13,47 +14,32 @@ from gyre_ray.engines.base import (
     GenerateRequest,
     SamplingParams,
 )
-from gyre_ray.engines.testing import generate_alone, small_args, small_engine, small_model, token_prompt
+from gyre_ray.engines.testing import GREEDY, generate_alone, small_model, token_prompt
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM
 
-ARGS = small_args()
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
-
-@pytest.fixture
-def model() -> Qwen3ForCausalLM:
-    return small_model()
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def test_weight_update_versions_tokens_and_drops_stale_prefix_kv(model: Qwen3ForCausalLM) -> None:
-    engine = small_engine(model, prefix_cache_tokens=10_000)
+def test_weight_update_versions_tokens_and_drops_stale_prefix_kv(new_engine, model: Qwen3ForCausalLM) -> None:
+    engine = new_engine(model, prefix_cache_tokens=10_000)
     run(engine.generate(GenerateRequest("a", token_prompt(30), GREEDY)))
     assert engine.stats()["prefix_cache_tokens"] > 0
     new_model = small_model(seed=5)
     run(engine.update_weights(new_model.state_dict(), version=3))
     assert engine.stats()["prefix_cache_tokens"] == 0
     updated = run(engine.generate(GenerateRequest("b", token_prompt(30), GREEDY)))
-    engine.shutdown()
-    fresh = small_engine(new_model)
+    fresh = new_engine(new_model)
     expected = run(fresh.generate(GenerateRequest("b", token_prompt(30), GREEDY)))
-    fresh.shutdown()
     assert updated.output_ids == expected.output_ids
     assert updated.cached_tokens == 0
     assert updated.output_versions == [3] * GREEDY.max_new_tokens
-    other = small_engine(model)
+    other = new_engine(model)
     with pytest.raises(EngineInputError, match="missing"):
         run(other.update_weights({"lm_head.weight": torch.zeros(1)}, version=4))
-    other.shutdown()
 
 
-def test_release_frees_weights_and_requests_wait_for_new_ones(model: Qwen3ForCausalLM) -> None:
+def test_release_frees_weights_and_requests_wait_for_new_ones(new_engine, model: Qwen3ForCausalLM) -> None:
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     reference = generate_alone(small_model(), GenerateRequest("r", token_prompt(10), GREEDY))
-    engine = small_engine(model)
+    engine = new_engine(model)
 
     async def scenario():
         await engine.release_memory()
@@ -68,18 +54,18 @@ def test_release_frees_weights_and_requests_wait_for_new_ones(model: Qwen3ForCau
         return await pending
 
     result = run(scenario())
-    engine.shutdown()
     assert result.output_ids == reference.output_ids
     assert result.output_versions == [1] * GREEDY.max_new_tokens
 
 
 def test_running_requests_pause_over_release_and_continue_with_the_new_version(
+    new_engine,
     model: Qwen3ForCausalLM,
 ) -> None:
     request = GenerateRequest("long", token_prompt(10), SamplingParams(temperature=0.0, max_new_tokens=150))
     reference = generate_alone(small_model(), request)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = small_engine(model, prefix_cache_tokens=10_000)
+    engine = new_engine(model, prefix_cache_tokens=10_000)
 
     async def scenario():
         events = []
@@ -102,7 +88,6 @@ def test_running_requests_pause_over_release_and_continue_with_the_new_version(
 
     events, paused_at = run(scenario())
     stats = engine.stats()
-    engine.shutdown()
     assert stats["prefix_cache_tokens"] == 0  # its KV predates version 1: not offered for reuse
     assert [e.token_id for e in events] == reference.output_ids
     versions = [e.version for e in events]

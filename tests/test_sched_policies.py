@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from gyre_ray.scheduling.base import can_place, make_policy, policy_names
+from gyre_ray.scheduling.base import make_policy, policy_names
 from gyre_ray.scheduling.state import (
     CellState,
     Execution,
@@ -219,9 +219,3 @@ def test_async_split_must_leave_both_roles() -> None:
 def test_unknown_policy_lists_known_ones() -> None:
     with pytest.raises(ValueError, match="known: async, colocate, elastic"):
         make_policy("round-robin")
-
-
-def test_can_place_packs_unequal_demands() -> None:
-    assert can_place([2, 2, 1], [3, 2])
-    assert not can_place([2, 2, 2], [3, 3])
-    assert can_place([1] * 6, [3.0, 3.0]) and not can_place([1] * 7, [3.0, 3.0])

@@ -72,6 +72,8 @@ def test_simulate_reads_knobs_from_config_overrides(small: str, capsys) -> None:
         (["--policies", "colocate,fifo"], "unknown policy fifo"),
         (["--cells", "1", "--policies", "async"], "async needs --cells >= 2"),
         (["--steps", "0"], "--steps >= 1"),
+        (["--plot", "/nonexistent-folder/t.png"], "folder /nonexistent-folder does not exist"),
+        (["--plot", "t.png", "--plot-hours", "0"], "--plot-hours must be > 0"),
     ],
 )
 def test_simulate_errors_are_clear(small: str, args: list[str], message: str, capsys) -> None:
@@ -79,7 +81,13 @@ def test_simulate_errors_are_clear(small: str, args: list[str], message: str, ca
     if "--workload" not in args:
         base += ["--workload", small]
     assert main([*base, *args]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_refuses_non_finite_costs(small: str, capsys) -> None:
+    assert main(["simulate", "--workload", small, "--steps", "1", "sim.weight_sync_s=inf"]) == 2
+    assert "sim.weight_sync_s: Input should be a finite number" in capsys.readouterr().err
 
 
 def test_simulate_rejects_bad_config_keys(small: str, capsys) -> None:
@@ -105,3 +113,5 @@ def test_plan_table_and_errors(small: str, capsys) -> None:
     assert "do not divide 4 nodes" in capsys.readouterr().err
     assert main(["plan", "--workload", small, "--nodes", "4", "--min-cell-nodes", "4"]) == 2
     assert "min_cell_nodes" in capsys.readouterr().err
+    assert main(["plan", "--workload", small, "--nodes", "4", "--reference-nodes", "0"]) == 2
+    assert "--reference-nodes must be >= 1, got 0" in capsys.readouterr().err

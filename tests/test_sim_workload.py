@@ -97,13 +97,18 @@ def test_yaml_workload_extends_a_preset(tmp_path: Path) -> None:
         ("name: x\ntrain_cluster_s_per_trajectory: 1\n", "exactly one of `duration`"),
         ("- 1\n- 2\n", "must be a mapping"),
         ("a: [\n", "not valid YAML"),
+        (
+            "extends: nl2repo\nduration:\n  mu_log_hours: .nan\n",
+            "mu_log_hours: Input should be a finite number",
+        ),
     ],
 )
 def test_bad_yaml_workloads_name_the_field(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(text)
-    with pytest.raises(WorkloadError, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(WorkloadError, match=message.replace("(", r"\(").replace("[", r"\[")) as caught:
         load_workload(str(path))
+    assert "\n" not in str(caught.value)  # the CLI prints it as one line
 
 
 def test_unknown_workload_name_lists_presets() -> None:
@@ -154,12 +159,14 @@ def test_yaml_trace_path_is_relative_to_the_yaml(tmp_path: Path) -> None:
     [
         ([{"start": 0}], r"run.jsonl:1: required field 'end' is missing"),
         ([{"start": 10, "end": 5}], r"field 'end' \(5\) is before 'start' \(10\)"),
-        ([{"start": "soon", "end": 5}], "field 'start' must be seconds or an ISO-8601 time"),
+        ([{"start": "soon", "end": 5}], "field 'start' must be finite seconds or an ISO-8601 time"),
         ([{"start": 0, "end": 5, "gpu": 3}], "unknown field"),
         ([{"start": 0, "end": 5, "step": 0}, {"start": 0, "end": 5}], "'step' is on 1 of 2 records"),
         ([{"start": 0, "end": 5, "step": "x"}], "field 'step' must be an integer"),
         ([{"start": 0, "end": 5, "timed_out": "maybe"}], "'timed_out' must be true/false"),
         ([], "trace has no executions"),
+        ([{"start": 0, "end": float("nan")}], "field 'end' must be finite seconds"),
+        ([{"start": float("-inf"), "end": 5}], "field 'start' must be finite seconds"),
     ],
 )
 def test_bad_traces_name_line_and_field(tmp_path: Path, rows: list[dict], message: str) -> None:
@@ -175,3 +182,14 @@ def test_csv_trace_must_have_start_and_end_columns(tmp_path: Path) -> None:
     path.write_text("begin,end\n0,1\n")
     with pytest.raises(WorkloadError, match="lacks required column"):
         sample_workload(spec_from_dict({"extends": "nl2repo", "trace": str(path)}), 1)
+    path.write_text("start,end\n0,1,2\n")
+    with pytest.raises(WorkloadError, match=r"run.csv:2: more values than header columns"):
+        sample_workload(spec_from_dict({"extends": "nl2repo", "trace": str(path)}), 1)
+
+
+def test_a_trace_that_is_not_text_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1")
+    spec, _ = load_workload(str(path))
+    with pytest.raises(WorkloadError, match="run.jsonl: not UTF-8 text"):
+        sample_workload(spec, 1)

@@ -72,3 +72,25 @@ def test_bad_input_exits_2_with_a_reason(tmp_path: Path, records_file, capsys) -
     assert "--budget must be an integer >= 1" in capsys.readouterr().err
     assert main(["traj", "show", str(path), "--vocab-size", "100"]) == 2
     assert "outside the vocabulary (vocab_size 100)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "holds no call records"),
+        (b"\xd0\xcf\x11\xe0 not text\n", "f.jsonl:1: not UTF-8 text"),
+        (None, "execution 'a': duplicate call_id 'c0'"),
+    ],
+)
+def test_unreadable_empty_or_contradictory_files_exit_2_in_one_line(
+    tmp_path: Path, capsys, content: bytes | None, message: str
+) -> None:
+    path = tmp_path / "f.jsonl"
+    if content is None:  # each line is a valid record, but two share a call id
+        record = synthetic_execution("a", 1, WORKLOAD)[0][0]
+        write_jsonl(path, [record, record])
+    else:
+        path.write_bytes(content)
+    assert main(["traj", "show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

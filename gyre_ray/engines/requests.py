@@ -18,6 +18,8 @@ import torch
 from gyre_ray.engines.base import EngineInputError, FinishReason, GenerateResult, SamplingParams, TokenEvent
 from gyre_ray.model.kv_cache import KVCache
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
 
 class EventSink:
     """Where one request's events go: an asyncio queue owned by the caller's loop.
@@ -151,6 +153,10 @@ def check_request(
     check_token_ids(sampling.stop_token_ids, vocab_size, "stop_token_ids")
     if sampling.seed is not None and (isinstance(sampling.seed, bool) or not isinstance(sampling.seed, int)):
         raise EngineInputError(f"seed must be an integer or None, got {sampling.seed!r}")
+    if sampling.seed is not None and not SEED_MIN <= sampling.seed <= SEED_MAX:
+        raise EngineInputError(
+            f"seed must be in [-2**63, 2**64 - 1] (a torch generator seed), got {sampling.seed}"
+        )
     total = len(ids) + sampling.max_new_tokens
     if total > max_context:
         raise EngineInputError(

@@ -7,11 +7,15 @@ meaningful. Other packages' tests (the proxy, cells) may use these too.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from gyre_ray.engines.base import SamplingParams
 from gyre_ray.engines.torch_engine import TorchEngine
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)  # 12 argmax tokens, no stop token
 
 
 def small_args(vocab_size: int = 512, context: int = 1024) -> ModelArgs:
@@ -30,6 +34,7 @@ def small_args(vocab_size: int = 512, context: int = 1024) -> ModelArgs:
 
 
 def small_model(seed: int = 0, args: ModelArgs | None = None) -> Qwen3ForCausalLM:
+    """A seeded random Qwen3 of `small_args()` (or `args`), init std 0.2, in eval mode."""
     return init_weights(Qwen3ForCausalLM(args or small_args()), seed, std=0.2).eval()
 
 
@@ -50,8 +55,6 @@ def token_prompt(n: int, start: int = 3, vocab_size: int = 512) -> list[int]:
 async def stream_until(engine: TorchEngine, request: Any, n: int) -> list[int]:
     """Start streaming `request` and return once it has produced `n` tokens; the stream keeps running
     in a background task (so the request is still in flight when this returns)."""
-    import asyncio
-
     got: list[int] = []
     ready = asyncio.Event()
 
@@ -74,8 +77,6 @@ _BACKGROUND: set[Any] = set()  # keeps background stream tasks referenced until 
 
 def generate_alone(model: Qwen3ForCausalLM, request: Any, **options: Any) -> Any:
     """Run one request to completion on a fresh engine over `model` (then shut it down)."""
-    import asyncio
-
     engine = small_engine(model, **options)
     try:
         return asyncio.run(engine.generate(request))

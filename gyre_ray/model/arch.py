@@ -7,7 +7,7 @@ default; its token ids match the shipped default tokenizer (`gyre_ray/model/asse
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -199,10 +199,6 @@ class ModelArgs:
     def to_dict(self) -> dict[str, Any]:
         """Plain field dict (for logging and JSON)."""
         return asdict(self)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def _single_id(value: Any) -> int | None:

@@ -7,10 +7,10 @@ reads a `SchedState` and returns actions; the same state always yields the same 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from typing import Any, ClassVar
 
-from gyre_ray.scheduling.state import Action, CellState, Launch, Role, SchedState
+from gyre_ray.scheduling.state import Action, Launch, Role, SchedState
 
 EPS = 1e-9
 
@@ -27,28 +27,6 @@ class Policy(ABC):
     @abstractmethod
     def decide(self, state: SchedState) -> list[Action]:
         """Actions to apply now; must not mutate `state`."""
-
-
-def can_place(demands: Iterable[float], free: Iterable[float]) -> bool:
-    """Whether every demand fits into the free capacities (first-fit decreasing into fullest room).
-
-    Exact for equal demands; for unequal ones FFD may say no where a packing exists, which only
-    makes a policy more careful.
-    """
-    items = sorted(demands, reverse=True)
-    if not items:
-        return True
-    rooms = sorted(free, reverse=True)
-    if sum(items) > sum(rooms) + EPS:
-        return False
-    if items[0] == items[-1]:  # equal demands: count whole slots
-        return sum(int((r + EPS) // items[0]) for r in rooms) >= len(items)
-    for item in items:
-        best = max(range(len(rooms)), key=rooms.__getitem__)
-        if rooms[best] + EPS < item:
-            return False
-        rooms[best] -= item
-    return True
 
 
 def place_pending(
@@ -88,17 +66,6 @@ def place_pending(
 def free_rollout_capacity(state: SchedState) -> dict[int, float]:
     """Free capacity of every ready rollout cell, by cell id."""
     return {c.cell_id: c.free_capacity for c in state.cells if c.role is Role.ROLLOUT and c.ready}
-
-
-def migration_fits(state: SchedState, leaving: CellState, free: dict[int, float]) -> bool:
-    """Whether the executions on `leaving` fit into the free room of the other ready rollout cells."""
-    if leaving.n_executions == 0:
-        return True
-    others = [room for cell_id, room in free.items() if cell_id != leaving.cell_id]
-    if leaving.load > sum(others) + EPS:
-        return False
-    hosted = state.in_flight_by_cell.get(leaving.cell_id, {})
-    return can_place((e.demand for e in hosted.values()), others)
 
 
 _REGISTRY: dict[str, type[Policy]] = {}

@@ -64,7 +64,7 @@ class ElasticPolicy(Policy):
         if state.policy_version >= state.steps_total:
             return []
         free = free_rollout_capacity(state)
-        capacity = sum(c.rollout_capacity for c in state.cells if c.role is Role.ROLLOUT)
+        capacity = sum(c.rollout_capacity for c in state.cells_in(Role.ROLLOUT))
         in_flight = sum(c.load for c in state.cells)
         urgent = in_flight + state.launchable_demand(max_lag=0)
         everything = in_flight + state.launchable_demand()
@@ -91,7 +91,7 @@ class ElasticPolicy(Policy):
     @staticmethod
     def _return_cells(state: SchedState, deficit: float, idle_only: bool = False) -> list[Action]:
         """Trainers to send back so that rollout capacity covers `deficit` more demand."""
-        trainers = [c for c in state.cells if c.role is Role.TRAIN]
+        trainers = state.cells_in(Role.TRAIN)
         deficit -= sum(c.rollout_capacity for c in trainers if c.return_requested)
         if idle_only:
             trainers = [c for c in trainers if c.ready and c.micro_step_until is None]
@@ -126,7 +126,7 @@ class ElasticPolicy(Policy):
             return []
         if any(c.role is Role.ROLLOUT and not c.ready for c in state.cells):
             return []  # cells are coming back: demand just rose
-        trainers = [c for c in state.cells if c.role is Role.TRAIN]
+        trainers = state.cells_in(Role.TRAIN)
         backlog = state.ready_work_s + sum(
             max(0.0, c.micro_step_until - state.now) for c in trainers if c.micro_step_until is not None
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 HOUR = 3600.0
@@ -93,6 +94,10 @@ def _simulate_command(args: argparse.Namespace) -> int:
         )
     if "async" in policies and cells < 2:
         return _fail("simulate", "async needs --cells >= 2 (one trainer and one rollout cell)")
+    if args.plot_hours is not None and not args.plot_hours > 0:
+        return _fail("simulate", f"--plot-hours must be > 0, got {args.plot_hours}")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        return _fail("simulate", f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist")
     try:
         spec, base_dir = load_workload(args.workload or sim.workload)
         wl = sample_workload(spec, steps, seed, base_dir)
@@ -184,7 +189,13 @@ def _plan_command(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else cfg.sim.seed
     if not args.nodes or min(args.nodes) < 2:
         return _fail("plan", f"--nodes must list cluster sizes >= 2, got {args.nodes}")
-    reference = args.reference_nodes or args.nodes[0]
+    for flag, value in (
+        ("--reference-nodes", args.reference_nodes),
+        ("--min-cell-nodes", args.min_cell_nodes),
+    ):
+        if value is not None and value < 1:
+            return _fail("plan", f"{flag} must be >= 1, got {value}")
+    reference = args.reference_nodes if args.reference_nodes is not None else args.nodes[0]
     try:
         spec, _ = load_workload(args.workload or cfg.sim.workload)
         layouts = plan_layouts(

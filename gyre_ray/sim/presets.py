@@ -16,8 +16,9 @@ NL2REPO_HARD = WorkloadSpec(
     name="nl2repo-hard",
     description="NL2RepoBench, hardest setting: 61.1% of executions over 4 h, 38.2% hit the 8 h timeout.",
     source=(
-        "Reference paper (2.4T model): 61.1% over 4 h and 38.2% at the timeout. Fit (REFERENCE.md): "
-        "T = 8 h, mu = 1.722, sigma = 1.191 log hours (median 5.6 h). Training cost per trajectory "
+        "Reference paper (2.4T model): 61.1% over 4 h and 38.2% at the timeout. Fit: with T = 8 h, "
+        "P(D > 4 h) = 0.611 and P(D > 8 h) = 0.382 give mu = 1.722, sigma = 1.191 log hours (median "
+        "5.6 h). Training cost per trajectory "
         "taken equal to the nl2repo fit (assumption: the paper gives no training time for this setting)."
     ),
     duration=DurationModel(mu_log_hours=1.722, sigma_log_hours=1.191, rho=0.6, timeout_hours=8.0),

@@ -11,6 +11,7 @@ eta is, so its bound uses eta = 0.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from gyre_ray.scheduling.base import make_policy, policy_names
 from gyre_ray.scheduling.elastic import PREFETCH_MODES
@@ -47,7 +48,7 @@ def run_policy(
     costs: SimCosts | None = None,
     record: bool = False,
     label: str = "",
-    **knobs,
+    **knobs: Any,
 ) -> SimResult:
     """Simulate one policy (with its knobs) and fill in its lower bound."""
     result = _run(wl, policy, n_cells, staleness, costs, record, label, math.inf, knobs)

@@ -13,8 +13,10 @@ Launch times are not replayed: the schedule decides them; only durations are.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,21 +29,22 @@ _FIELDS = ("start", "end", "task", "step", "timed_out")
 
 
 def _time_value(value: Any, field: str, where: str) -> float:
-    if isinstance(value, bool):
-        raise WorkloadError(f"{where}: field {field!r} must be seconds or an ISO-8601 time, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str) and value.strip():
+    """Seconds from a finite number, a numeric string or an ISO-8601 time; else WorkloadError."""
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
         text = value.strip()
         try:
-            return float(text)
+            seconds = float(text)
         except ValueError:
-            pass
-        try:
-            return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            pass
-    raise WorkloadError(f"{where}: field {field!r} must be seconds or an ISO-8601 time, got {value!r}")
+            with contextlib.suppress(ValueError):  # neither a number nor a time: NaN, refused below
+                seconds = datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    if not math.isfinite(seconds):  # NaN or infinite times would never end in the simulator
+        raise WorkloadError(
+            f"{where}: field {field!r} must be finite seconds or an ISO-8601 time, got {value!r}"
+        )
+    return seconds
 
 
 def _bool_value(value: Any, where: str) -> bool:
@@ -58,17 +61,38 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     """Validated records `{"duration_s", "task", "step", "timed_out"}` in file order."""
     if not path.is_file():
         raise WorkloadError(f"trace file {path} not found")
+    try:
+        raw = _raw_records(path)
+    except UnicodeDecodeError:
+        raise WorkloadError(f"{path}: not UTF-8 text (expected a JSONL or CSV trace)") from None
+    except OSError as exc:
+        raise WorkloadError(f"cannot read trace {path}: {exc.strerror}") from None
+    if not raw:
+        raise WorkloadError(f"{path}: trace has no executions")
+    records = [_trace_record(obj, where) for where, obj in raw]
+    with_step = sum(r["step"] is not None for r in records)
+    if 0 < with_step < len(records):
+        raise WorkloadError(
+            f"{path}: field 'step' is on {with_step} of {len(records)} records; give it on all or none"
+        )
+    return records
+
+
+def _raw_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(location, fields) of every record of a CSV or JSONL trace, unvalidated."""
     raw: list[tuple[str, dict[str, Any]]] = []
     if path.suffix.lower() == ".csv":
-        with path.open(newline="") as handle:
+        with path.open(newline="", encoding="utf-8") as handle:
             reader = csv.DictReader(handle)
             missing = [f for f in ("start", "end") if f not in (reader.fieldnames or [])]
             if missing:
                 raise WorkloadError(f"{path}: CSV header lacks required column(s) {', '.join(missing)}")
             for line_no, row in enumerate(reader, start=2):
+                if None in row:  # csv puts values beyond the header under the key None
+                    raise WorkloadError(f"{path}:{line_no}: more values than header columns")
                 raw.append((f"{path}:{line_no}", {k: v for k, v in row.items() if v not in (None, "")}))
     else:
-        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -78,42 +102,33 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
             if not isinstance(obj, dict):
                 raise WorkloadError(f"{path}:{line_no}: each line must be a JSON object")
             raw.append((f"{path}:{line_no}", obj))
-    if not raw:
-        raise WorkloadError(f"{path}: trace has no executions")
-    records = []
-    for where, obj in raw:
-        unknown = sorted(set(obj) - set(_FIELDS) - {"execution", "id"})
-        if unknown:
-            raise WorkloadError(
-                f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}"
-            )
-        for field in ("start", "end"):
-            if field not in obj:
-                raise WorkloadError(f"{where}: required field {field!r} is missing")
-        start = _time_value(obj["start"], "start", where)
-        end = _time_value(obj["end"], "end", where)
-        if end < start:
-            raise WorkloadError(f"{where}: field 'end' ({obj['end']!r}) is before 'start' ({obj['start']!r})")
-        step = obj.get("step")
-        if step is not None:
-            try:
-                step = int(step)
-            except (TypeError, ValueError):
-                raise WorkloadError(f"{where}: field 'step' must be an integer, got {step!r}") from None
-        records.append(
-            {
-                "duration_s": end - start,
-                "task": None if obj.get("task") is None else str(obj["task"]),
-                "step": step,
-                "timed_out": _bool_value(obj.get("timed_out", False), where),
-            }
-        )
-    with_step = sum(r["step"] is not None for r in records)
-    if 0 < with_step < len(records):
-        raise WorkloadError(
-            f"{path}: field 'step' is on {with_step} of {len(records)} records; give it on all or none"
-        )
-    return records
+    return raw
+
+
+def _trace_record(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    """One validated record `{"duration_s", "task", "step", "timed_out"}`."""
+    unknown = sorted(set(obj) - set(_FIELDS) - {"execution", "id"})
+    if unknown:
+        raise WorkloadError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}")
+    for field in ("start", "end"):
+        if field not in obj:
+            raise WorkloadError(f"{where}: required field {field!r} is missing")
+    start = _time_value(obj["start"], "start", where)
+    end = _time_value(obj["end"], "end", where)
+    if end < start:
+        raise WorkloadError(f"{where}: field 'end' ({obj['end']!r}) is before 'start' ({obj['start']!r})")
+    step = obj.get("step")
+    if step is not None:
+        try:
+            step = int(step)
+        except (TypeError, ValueError):
+            raise WorkloadError(f"{where}: field 'step' must be an integer, got {step!r}") from None
+    return {
+        "duration_s": end - start,
+        "task": None if obj.get("task") is None else str(obj["task"]),
+        "step": step,
+        "timed_out": _bool_value(obj.get("timed_out", False), where),
+    }
 
 
 def _groups_of(records: list[dict[str, Any]], group_size: int) -> list[list[dict[str, Any]]]:

@@ -30,7 +30,7 @@ class WorkloadError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DurationModel(_Strict):
@@ -194,14 +194,15 @@ def _synthetic(spec: WorkloadSpec, steps: int, rng: np.random.Generator) -> tupl
 
 
 def _format_validation(err: ValidationError, source: str) -> str:
-    lines = [f"invalid workload ({source}):"]
+    """One line naming every offending field: `invalid workload (SOURCE): key: problem; ...`."""
+    problems = []
     for item in err.errors():
         key = ".".join(str(p) for p in item["loc"]) or "<root>"
         if item["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown field")
+            problems.append(f"{key}: unknown field")
         else:
-            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
+            problems.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+    return f"invalid workload ({source}): " + "; ".join(problems)
 
 
 def spec_from_dict(data: dict[str, Any], source: str = "<dict>") -> WorkloadSpec:
@@ -251,9 +252,14 @@ def load_workload(name_or_path: str) -> tuple[WorkloadSpec, Path | None]:
             f"workload {name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a .yaml/.yml/.jsonl/.csv file"
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise WorkloadError(f"cannot read workload {path}: {exc.strerror}") from exc
+        raise WorkloadError(f"cannot read workload {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"workload {path} is not UTF-8 text") from None
     except yaml.YAMLError as exc:
-        raise WorkloadError(f"workload {path} is not valid YAML: {exc}") from exc
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise WorkloadError(f"workload {path} is not valid YAML{line}: {problem}") from None
     return spec_from_dict(data, str(path)), path.parent

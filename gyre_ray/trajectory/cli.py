@@ -14,19 +14,6 @@ import json
 import sys
 from typing import Any
 
-SUMMED_KEYS = (
-    "calls",
-    "paths_total",
-    "paths_selected",
-    "tokens_expanded_all",
-    "tokens_packed_all",
-    "tokens_expanded_selected",
-    "tokens_packed_selected",
-    "loss_tokens_all",
-    "loss_tokens_selected",
-    "drift_remapped",
-)
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     traj = subparsers.add_parser("traj", help="inspect recorded trajectories (call trees)")
@@ -95,14 +82,18 @@ def render_tree(processed: Any) -> str:
     return "\n".join(lines)
 
 
+def _fail(message: str) -> int:
+    print(f"gyre-ray traj show: {message}", file=sys.stderr)
+    return 2
+
+
 def _show(args: argparse.Namespace) -> int:
     from gyre_ray.trajectory.config import TrajectorySection
-    from gyre_ray.trajectory.pipeline import process_execution
+    from gyre_ray.trajectory.pipeline import TOKEN_FIGURES, process_execution
     from gyre_ray.trajectory.records import RecordError, group_by_execution, read_jsonl
 
     if args.budget is not None and args.budget < 1:
-        print(f"gyre-ray traj show: --budget must be an integer >= 1, got {args.budget}", file=sys.stderr)
-        return 2
+        return _fail(f"--budget must be an integer >= 1, got {args.budget}")
     defaults = TrajectorySection()
     cfg = TrajectorySection(
         budget=args.budget if args.budget is not None else defaults.budget,
@@ -111,21 +102,22 @@ def _show(args: argparse.Namespace) -> int:
     try:
         executions = group_by_execution(read_jsonl(args.records, args.vocab_size))
     except OSError as exc:
-        print(f"gyre-ray traj show: cannot read {args.records}: {exc.strerror}", file=sys.stderr)
-        return 2
+        return _fail(f"cannot read {args.records}: {exc.strerror}")
     except RecordError as exc:
-        print(f"gyre-ray traj show: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
+    if not executions:
+        return _fail(f"{args.records} holds no call records")
     if args.execution is not None:
         if args.execution not in executions:
-            known = ", ".join(sorted(executions)) or "none"
-            print(f"gyre-ray traj show: no execution {args.execution!r} (have: {known})", file=sys.stderr)
-            return 2
+            return _fail(f"no execution {args.execution!r} (have: {', '.join(sorted(executions))})")
         executions = {args.execution: executions[args.execution]}
-    processed = [process_execution(records, cfg) for records in executions.values()]
+    try:  # records that are each valid may still contradict each other (e.g. a repeated call_id)
+        processed = [process_execution(records, cfg) for records in executions.values()]
+    except RecordError as exc:
+        return _fail(f"{args.records}: {exc}")
     if args.json:
         per_execution = [{**p.stats(), "paths": _path_rows(p)} for p in processed]
-        totals = {k: sum(e[k] for e in per_execution) for k in SUMMED_KEYS}
+        totals = {k: sum(e[k] for e in per_execution) for k in ("calls", *TOKEN_FIGURES, "drift_remapped")}
         print(json.dumps({**totals, "budget": cfg.budget, "executions": per_execution}, indent=2))
         return 0
     for p in processed:

@@ -2,8 +2,9 @@
 
 `build_training_batches` is what the training job uses once a group of executions has ended:
 
+    trainer = make_trainer(cfg.trainer, model, args, get_loss("gspo", cfg.algo))
     batches = build_training_batches(records_by_execution, rewards, group_ids, cfg)
-    for b in batches: trainer.forward_backward(b, get_loss("gspo", cfg.algo))
+    for b in batches: trainer.forward_backward(b)
     trainer.optimizer_step(step_scale(batches))   # 1 / executions in the step
 
 `cfg` is the root config (`GyreConfig`, whose `trajectory` and `algo` sections are used) or a
@@ -26,6 +27,18 @@ from gyre_ray.trajectory.paths import TreePath, select_paths, tree_paths
 from gyre_ray.trajectory.records import CallRecord
 from gyre_ray.trajectory.roles import classify_roles
 from gyre_ray.trajectory.tree import CallTree, Decode
+
+# The token figures of `ProcessedExecution.stats()` that add up over executions (traj show, benchmark).
+TOKEN_FIGURES = (
+    "paths_total",
+    "paths_selected",
+    "tokens_expanded_all",
+    "tokens_packed_all",
+    "tokens_expanded_selected",
+    "tokens_packed_selected",
+    "loss_tokens_all",
+    "loss_tokens_selected",
+)
 
 
 @dataclass

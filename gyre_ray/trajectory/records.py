@@ -108,9 +108,10 @@ class CallRecord:
         n_out = len(self.output_ids)
         for name in ("output_logprobs", "versions"):
             values = getattr(self, name)
-            if not isinstance(values, list) or len(values) != n_out:
-                got = len(values) if isinstance(values, list) else type(values).__name__
-                raise RecordError(f"{where}: {name} has {got} entries but output_ids has {n_out}")
+            if not isinstance(values, list):
+                raise RecordError(f"{where}: {name} must be a list, got {type(values).__name__}")
+            if len(values) != n_out:
+                raise RecordError(f"{where}: {name} has {len(values)} entries but output_ids has {n_out}")
         for i, lp in enumerate(self.output_logprobs):
             if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
                 raise RecordError(f"{where}: output_logprobs[{i}] = {lp!r} is not a finite number")
@@ -187,8 +188,12 @@ def validate_execution(records: Iterable[CallRecord], vocab_size: int | None = N
 def read_jsonl(path: str | Path, vocab_size: int | None = None) -> list[CallRecord]:
     """Read and validate every record of a JSONL file; errors name the file and line number."""
     records: list[CallRecord] = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RecordError(f"{path}:{lineno}: not UTF-8 text (is this a JSONL file?)") from None
             if not line.strip():
                 continue
             try:

@@ -1,0 +1,37 @@
+"""Fixtures shared by the engine tests: a small random Qwen3 policy and torch engines that always shut down.
+
+A module that needs another model defines its own `model` fixture, which takes precedence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gyre_ray.engines.testing import small_engine, small_model
+from gyre_ray.engines.torch_engine import TorchEngine
+from gyre_ray.model.qwen3 import Qwen3ForCausalLM
+
+
+@pytest.fixture
+def model() -> Qwen3ForCausalLM:
+    """`gyre_ray.engines.testing.small_model()`: two layers, vocab 512, wide init, eos id 0."""
+    return small_model()
+
+
+@pytest.fixture
+def new_engine() -> Iterator[Callable[..., TorchEngine]]:
+    """`new_engine(model=None, **options)` -> `small_engine(...)`, shut down when the test ends
+    (also when it fails, so no engine thread outlives its test)."""
+    made: list[TorchEngine] = []
+
+    def make(model: Qwen3ForCausalLM | None = None, **options: Any) -> TorchEngine:
+        engine = small_engine(model, **options)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.shutdown()
