@@ -214,3 +214,22 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_call_which_is_still_recor
     record = records[0]
     assert record.meta["client_disconnected"] and 0 < len(record.output_ids) < MAX_TOKENS
     assert all(c["inflight"] == 0 for c in served.cells())
+
+
+def test_direct_ingress_and_serves_http_proxy_reach_the_same_app(served):
+    import httpx
+
+    assert served.base_url != served.serve_url  # the replica's own port (direct ingress) and Serve's proxy
+    created = served.register_execution()
+    headers = {"Authorization": f"Bearer {created['api_key']}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    ids = []
+    for url in (served.base_url, served.serve_url):
+        with httpx.Client(base_url=url, timeout=120) as client:
+            assert client.get("/gyre/health").status_code == 200
+            reply = client.post("/v1/chat/completions", json=body, headers=headers)
+            assert reply.status_code == 200, reply.text
+            ids.append(reply.json()["id"].removeprefix("chatcmpl-"))
+    records = served.records(created["execution_id"])  # read at once: batched records are all there
+    assert [r.call_id for r in records] == ids
+    assert records[0].output_ids == records[1].output_ids  # same greedy reply either way

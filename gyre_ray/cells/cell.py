@@ -5,6 +5,8 @@ yield `TokenBatch`es (every token event available at that moment, so a remote ca
 batch, not per token) and end in one of: the engine's final event, `Migrated(state)` (the cell was
 drained: continue the request elsewhere from `state` with `resume`), `Refused` (the cell is draining
 and took no new work) or `Failed` (the engine refused the request; nothing was generated).
+With `stream_interval_s`, a stream's intermediate tokens go out at most that often (fewer Ray objects
+per call); its first batch and whatever ends it are never held back.
 The full dual-role cell (rollout <-> training) extends this class; `role` reports which is active.
 """
 
@@ -56,12 +58,19 @@ class _InFlight:
     exporting: bool = False
     state: KVState | None = None
     exported: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # the request left this cell
 
 
 class RolloutCell:
     """Hosts one rollout engine; streams, aborts, drains (exporting KV) and resumes requests."""
 
-    def __init__(self, cell_id: str, engine_factory: EngineFactory, torch_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        cell_id: str,
+        engine_factory: EngineFactory,
+        torch_threads: int | None = None,
+        stream_interval_s: float = 0.0,
+    ) -> None:
         self.cell_id = cell_id
         self.engine_factory = engine_factory
         self.torch_threads = torch_threads
@@ -70,6 +79,7 @@ class RolloutCell:
         self._inflight: dict[str, _InFlight] = {}
         self._migrated_out = 0
         self._resumed_in = 0
+        self.stream_interval_s = stream_interval_s
 
     async def setup(self) -> dict[str, Any]:
         """Build the engine (heavy: loads the model); returns `status()`."""
@@ -122,12 +132,19 @@ class RolloutCell:
         """`resume` collected into one reply."""
         return [event async for event in self.resume(state)]
 
-    async def abort(self, rid: str) -> bool:
-        """Stop a request (its caller went away); True if it was running here."""
-        if rid not in self._inflight:
+    async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
+        """Stop a request (its caller went away); True if it was running here.
+
+        `wait_s`: also wait (that long at most) until the request has left the cell.
+        """
+        flight = self._inflight.get(rid)
+        if flight is None:
             return False
         with contextlib.suppress(Exception):
             await self._engine().abort(rid)
+        if wait_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(flight.ended.wait(), wait_s)
         return True
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> dict[str, Any]:
@@ -181,11 +198,14 @@ class RolloutCell:
         started = time.perf_counter()
         pump = asyncio.create_task(self._pump(flight, open_stream))
         finished = False
+        last_yield: float | None = None  # when the previous batch went out
         try:
             while not finished:
                 items = [await flight.queue.get()]
                 while not flight.queue.empty():
                     items.append(flight.queue.get_nowait())
+                if last_yield is not None and self.stream_interval_s > 0:
+                    await self._coalesce(flight, items, last_yield + self.stream_interval_s)
                 events: list[TokenEvent] = []
                 failure: Failed | None = None
                 for item in items:
@@ -197,7 +217,8 @@ class RolloutCell:
                         events.append(item)
                 if events:
                     final = events[-1].finish_reason is not None
-                    yield TokenBatch(events, time.perf_counter() - started if final else None)
+                    last_yield = time.perf_counter()
+                    yield TokenBatch(events, last_yield - started if final else None)
                 if failure is not None and not flight.exporting:
                     yield failure
                     return
@@ -207,11 +228,40 @@ class RolloutCell:
                     yield Migrated(flight.state, time.perf_counter() - started)
         finally:
             self._inflight.pop(rid, None)
+            flight.ended.set()
             if not pump.done():
                 pump.cancel()
                 if not flight.exporting:
                     with contextlib.suppress(Exception):
                         await self._engine().abort(rid)
+
+    @staticmethod
+    async def _coalesce(flight: _InFlight, items: list[Any], until: float) -> None:
+        """Gather more of a stream's items into `items` until `until`, unless the stream ends first.
+
+        Intermediate tokens leave at most once per `stream_interval_s` (each batch costs the caller
+        a Ray object); the first batch and whatever ends the stream are never held back.
+        """
+
+        def ends(item: Any) -> bool:
+            return item is _END or isinstance(item, Failed) or item.finish_reason is not None
+
+        while not any(ends(item) for item in items):
+            remaining = until - time.perf_counter()
+            if remaining <= 0:
+                return
+            getter = asyncio.ensure_future(flight.queue.get())
+            try:
+                await asyncio.wait({getter}, timeout=remaining)
+            finally:
+                waiting = not getter.done()
+                if waiting:  # a get cancelled before it returned leaves its item in the queue
+                    getter.cancel()
+            if waiting:
+                return
+            items.append(getter.result())
+            while not flight.queue.empty():
+                items.append(flight.queue.get_nowait())
 
     async def _pump(self, flight: _InFlight, open_stream: Callable[[], AsyncIterator[TokenEvent]]) -> None:
         try:

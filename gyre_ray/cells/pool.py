@@ -63,10 +63,12 @@ class CellPool:
         timeout_s: float = 300.0,
         namespace: str | None = None,
         detached: bool = False,
+        stream_interval_s: float = 0.0,
     ) -> CellPool:
         """Reserve the groups, start one cell actor in each and wait until every engine is built.
 
         `detached`: groups and actors outlive the calling process (Serve app builders).
+        `stream_interval_s`: see `RolloutCell`.
         """
         import ray
         from ray.util.placement_group import placement_group
@@ -95,7 +97,7 @@ class CellPool:
                     scheduling_strategy=strategy,
                     max_concurrency=1000,
                     lifetime="detached" if detached else None,
-                ).remote(spec.cell_id, engine_factory, spec.torch_threads)
+                ).remote(spec.cell_id, engine_factory, spec.torch_threads, stream_interval_s)
             ray.get([a.setup.remote() for a in pool.actors.values()], timeout=timeout_s)
         except BaseException:
             pool.shutdown()

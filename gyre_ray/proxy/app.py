@@ -205,7 +205,7 @@ def build_app(service: Any) -> FastAPI:
     @app.get("/gyre/stats")
     async def stats(request: Request) -> Response:
         require_admin(request)
-        store_stats = await service.store.call("stats")
+        store_stats = await service.store_read("stats")
         return JSONResponse({"proxy": dict(service.counters), "store": store_stats})
 
     return app

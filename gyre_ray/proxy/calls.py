@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,21 @@ if TYPE_CHECKING:
     from gyre_ray.proxy.service import ProxyService
 
 MAX_HOPS = 32  # re-routings of one call (drains, refusals, failed cells) before giving up
+ABORT_WAIT_S = 5.0  # how long an abandoned call waits for its cell to let go of the request
+_BACKGROUND: set[asyncio.Task] = set()  # aborts in flight, referenced until they finish
+
+
+def _background(aborting: Awaitable[Any]) -> asyncio.Task:
+    """Run an abort as its own task: it completes even when the call that sent it is cancelled."""
+
+    async def run() -> None:
+        with contextlib.suppress(Exception):  # the cell is gone or slow: nothing more to stop
+            await asyncio.wait_for(aborting, timeout=ABORT_WAIT_S + 10)
+
+    task = asyncio.ensure_future(run())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
 
 
 @dataclass
@@ -64,6 +79,7 @@ class CallRun:
         self.t_end: float | None = None
         self.current_cell: str | None = None
         self.recorded = False
+        self._abort: asyncio.Task | None = None  # the abort sent to the current cell, if any
 
     async def tokens(self) -> AsyncIterator[list[int]]:
         """Batches of newly generated ids until the call finishes (finish_reason is then set)."""
@@ -74,9 +90,11 @@ class CallRun:
                 cell_id = await self.service.choose_cell(self.call.execution_id, exclude)
                 client = self.service.cells[cell_id]
                 self.current_cell = cell_id
+                self._abort = None
                 self.cells.append(cell_id)
                 outcome = None
                 stream = None
+                done = False  # the cell is through with the request (finished, moved, refused, failed)
                 self.service.router.started(cell_id)
                 try:
                     if state is None:
@@ -87,15 +105,18 @@ class CallRun:
                     while True:
                         event = await self._next_event(stream)
                         if event is None:
+                            done = True
                             break
                         if isinstance(event, TokenBatch):
                             self.engine_seconds += event.engine_seconds or 0.0
                             new = self._take(event)
+                            done = self.finish_reason is not None
                             if new:
                                 yield new
                             if self.finish_reason is not None:
                                 break  # the final event: no need to wait for the stream's end marker
                         elif isinstance(event, Migrated):
+                            done = True
                             state = event.state
                             self.engine_seconds += event.engine_seconds
                             new = self._catch_up(state)
@@ -104,14 +125,18 @@ class CallRun:
                             self.migrations += 1
                             outcome = "migrated"
                         elif isinstance(event, Refused):
+                            done = True
                             self.service.router.drain(cell_id)
                             exclude.add(cell_id)
                             outcome = "refused"
                         elif isinstance(event, Failed):
+                            done = True
                             outcome = self._failed(event, cell_id, exclude)
                 finally:
                     self.service.router.finished(cell_id)
                     self.current_cell = None
+                    if not done:  # cancelled or closed mid-stream: the cell must stop it
+                        self._abort_on(cell_id, wait=True)
                     if stream is not None:
                         with contextlib.suppress(Exception):
                             await stream.aclose()
@@ -123,14 +148,26 @@ class CallRun:
         finally:
             self.t_end = time.time()
 
-    async def cancel(self) -> None:
-        """Stop generating (the client went away or a stop string was seen)."""
+    async def cancel(self, wait: bool = False) -> None:
+        """Stop generating (the client went away or a stop string was seen).
+
+        `wait`: return once the cell has let go of the request (up to ABORT_WAIT_S), so that what
+        is recorded next is final; else once the cell has taken the abort.
+        """
         if self.finish_reason is None:
             self.finish_reason = "abort"
-        cell = self.current_cell
-        if cell is not None:
-            with contextlib.suppress(Exception):  # the cell is gone or slow: nothing more to stop
-                await asyncio.wait_for(self.service.cells[cell].abort(self.rid), timeout=10)
+        if self.current_cell is not None:
+            self._abort_on(self.current_cell, wait)
+        if self._abort is not None:
+            await asyncio.shield(self._abort)
+
+    def _abort_on(self, cell_id: str, wait: bool = False) -> asyncio.Task:
+        """Abort the request on `cell_id` (once per cell visit); the abort runs as its own task."""
+        if self._abort is None:
+            self._abort = _background(
+                self.service.cells[cell_id].abort(self.rid, ABORT_WAIT_S if wait else 0.0)
+            )
+        return self._abort
 
     # ---- internals --------------------------------------------------------------------------
     async def _next_event(self, stream: AsyncIterator[Any]) -> Any:
@@ -151,7 +188,7 @@ class CallRun:
         cell = self.current_cell
         with contextlib.suppress(Exception):
             if cell is not None:
-                await asyncio.wait_for(self.service.cells[cell].abort(self.rid), timeout=10)
+                await asyncio.shield(self._abort_on(cell))
             event = await asyncio.wait_for(pending, timeout=10)
             while True:
                 if isinstance(event, TokenBatch):

@@ -4,11 +4,17 @@
 `prompt_ids` renders a `ChatPrompt` segment by segment and splices recorded output ids in place of
 re-encoded assistant bodies; `parse` splits generated text into content and tool calls. Loading it
 needs no torch (only the tokenizer and the model's context length), so the proxy stays light.
+
+Harnesses re-send their whole conversation on every call (Claude Code's system prompt alone is ~76 KB,
+over 10 ms to encode here), so `prompt_ids` keeps the ids of recently rendered segments in a bounded
+LRU (`SegmentCache`): a segment seen before costs a lookup instead of an encode.
 """
 
 from __future__ import annotations
 
 import json
+from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,18 +24,63 @@ from gyre_ray.model.config import ModelSection
 from gyre_ray.model.tokenizer import Tokenizer
 from gyre_ray.proxy.prompt import ChatPrompt
 
+SEGMENT_CACHE_CHARS = 16_000_000  # characters of segment text whose ids `prompt_ids` keeps
+
+
+class SegmentCache:
+    """The tokenizer with an LRU of encoded texts, bounded by their total length in characters.
+
+    Encoding is deterministic, so a hit is exactly what encoding would give. Ids are kept compactly
+    (4 bytes each); `encode` returns a fresh list.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_chars: int = SEGMENT_CACHE_CHARS) -> None:
+        self.tokenizer = tokenizer
+        self.max_chars = max_chars
+        self.chars = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[str, array] = OrderedDict()
+        self._stop_ids = list(tokenizer.stop_ids())
+
+    def stop_ids(self) -> list[int]:
+        return list(self._stop_ids)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._entries.get(text)
+        if ids is not None:
+            self.hits += 1
+            self._entries.move_to_end(text)
+            return ids.tolist()
+        self.misses += 1
+        encoded = self.tokenizer.encode(text)
+        if len(text) <= self.max_chars:
+            self._entries[text] = array("i", encoded)
+            self.chars += len(text)
+            while self.chars > self.max_chars:
+                old, _ = self._entries.popitem(last=False)
+                self.chars -= len(old)
+        return encoded
+
 
 class ChatCodec:
     """Tokenizer + chat template + the model's context length."""
 
     tool_call_marker = TOOL_CALL_OPEN
 
-    def __init__(self, tokenizer: Tokenizer, context_length: int, model_name: str = "gyre-policy") -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        context_length: int,
+        model_name: str = "gyre-policy",
+        segment_cache_chars: int = SEGMENT_CACHE_CHARS,
+    ) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.model_name = model_name
         self.stop_ids = frozenset(tokenizer.stop_ids())
         self.vocab_size = tokenizer.vocab_size
+        self.segments = SegmentCache(tokenizer, segment_cache_chars)
 
     @classmethod
     def for_model(cls, section: ModelSection) -> ChatCodec:
@@ -62,7 +113,7 @@ class ChatCodec:
     ) -> list[int]:
         """ChatML prompt ids with the generation prompt; `assistant_tokens[i]` replaces message i's body."""
         return encode_chat(
-            self.tokenizer,
+            self.segments,  # type: ignore[arg-type]  # encode_chat needs only encode() and stop_ids()
             prompt.messages,
             prompt.tools or None,
             add_generation_prompt=True,

@@ -11,7 +11,9 @@ class ProxySection(Section):
     """Proxy settings."""
 
     host: str = Field("127.0.0.1", description="Address the proxy listens on.")
-    port: int = Field(8000, ge=0, le=65535, description="Port the proxy listens on (0: any free port).")
+    port: int = Field(
+        8000, ge=0, le=65535, description="Port of Serve's HTTP proxy in front of the app (0: any free port)."
+    )
     max_concurrent_per_execution: int = Field(8, ge=1, description="Concurrent model calls per execution.")
     queue_timeout_s: float = Field(
         30.0,
@@ -25,6 +27,21 @@ class ProxySection(Section):
         1.0, gt=0, description="CPUs reserved by each cell's placement group bundle."
     )
     num_replicas: int = Field(1, ge=1, description="Proxy (Serve) replicas; routing state is per replica.")
+    stream_interval_s: float = Field(
+        0.01,
+        ge=0,
+        description=(
+            "Cells send a call's intermediate tokens at most this often (0: as generated); the first "
+            "tokens and the end of a call are never held back. Fewer batches cost the proxy less CPU."
+        ),
+    )
+    direct_ingress: bool = Field(
+        True,
+        description=(
+            "With one replica, clients reach it on its own HTTP port (Serve's direct ingress; that URL is "
+            "base_url) instead of through Serve's HTTP proxy actor, which stays on `port`."
+        ),
+    )
     admin_token: str | None = Field(
         None, description="Token for the /gyre admin API; a random one is generated when unset."
     )

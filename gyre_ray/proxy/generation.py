@@ -151,7 +151,7 @@ class Generation:
             return
         if reason == "client_disconnected":
             self.service.counters["client_aborts"] += 1
-        await self.run.cancel()
+        await self.run.cancel(wait=True)
         with contextlib.suppress(Exception):
             await self._tokens.aclose()
         self.service.record(self.run, None, {reason: True})

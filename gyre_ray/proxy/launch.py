@@ -44,6 +44,7 @@ class ProxyHandle:
     _store: Any = None
     _owns_ray: bool = False
     _http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120.0))
+    serve_url: str = ""  # Serve's HTTP proxy in front of the same app ("" when unknown)
 
     @property
     def openai_base_url(self) -> str:
@@ -154,6 +155,7 @@ def start_backends(
             timeout_s=timeout_s,
             namespace=NAMESPACE,
             detached=detached,
+            stream_interval_s=section.stream_interval_s,
         )
     except BaseException:
         import ray
@@ -179,33 +181,45 @@ def start_proxy(
     app_name: str = "gyre-proxy",
     timeout_s: float = 300.0,
 ) -> ProxyHandle:
-    """Start store, cells and the Serve proxy; wait until it answers; return its handle."""
+    """Start store, cells and the Serve proxy; wait until it answers; return its handle.
+
+    With `proxy.direct_ingress` (and one replica) `base_url` is the replica's own HTTP port when
+    Serve runs with direct ingress (this function turns it on when it starts Serve), else Serve's
+    HTTP proxy; `serve_url` is always Serve's HTTP proxy (on `proxy.port`), which serves the same app.
+    """
     import ray
     from ray import serve
 
-    from gyre_ray.proxy.serve_app import proxy_application
+    from gyre_ray.proxy.serve_app import DIRECT_INGRESS_ENV, proxy_application
 
     section = config.proxy
     owns_ray = not ray.is_initialized()
     if owns_ray:
         cpus = max(os.cpu_count() or 1, math.ceil(section.num_cells * section.cpus_per_cell))
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+    direct = section.direct_ingress and section.num_replicas == 1
     pool = store = None
     try:
         settings, pool, store = start_backends(config, engine_factory, timeout_s=timeout_s)
+        settings["direct_ingress"] = direct
         port = section.port or free_port(section.host)
+        quiet = {"log_level": "WARNING", "enable_access_log": False}
+        # controller options only apply when this call starts Serve; a running Serve keeps its own
+        controller = {"runtime_env": {"env_vars": dict(DIRECT_INGRESS_ENV)}} if direct else None
         serve.start(
             http_options={"host": section.host, "port": port},
-            logging_config={"log_level": "WARNING", "enable_access_log": False},
+            logging_config=quiet,
+            controller_options=controller,
         )
         serve.run(
             proxy_application(settings),
             name=app_name,
             route_prefix="/",
             blocking=False,
-            logging_config={"log_level": "WARNING", "enable_access_log": False},
+            logging_config=quiet,
         )
-        base_url = _serve_base_url(section.host, port)
+        serve_url = _serve_base_url(section.host, port)
+        base_url = (_direct_ingress_url(app_name, section.host, serve_url) if direct else None) or serve_url
         _wait_healthy(base_url, timeout_s)
     except BaseException:
         if pool is not None:
@@ -224,6 +238,7 @@ def start_proxy(
         pool,
         store,
         owns_ray,
+        serve_url=serve_url,
     )
 
 
@@ -236,6 +251,35 @@ def _serve_base_url(host: str, requested_port: int) -> str:
         port = int(_get_global_client().http_config.port)
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     return f"http://{connect_host}:{port}"
+
+
+def _direct_ingress_url(app_name: str, host: str, serve_url: str, wait_s: float = 10.0) -> str | None:
+    """The URL of the app's one replica when Serve reports it on its own port (direct ingress), else None.
+
+    Serve lists where each app is reached as target groups (`ServeInstanceDetails.target_groups`):
+    the replicas' ports with direct ingress, the HTTP proxies' without.
+    """
+    from ray.serve.context import _get_global_client
+
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    serve_port = int(serve_url.rsplit(":", 1)[1])
+    deadline = time.monotonic() + wait_s
+    while True:
+        ports: list[int] = []
+        with contextlib.suppress(Exception):  # details not available: Serve's proxy still serves
+            details = _get_global_client().get_serve_details()
+            for group in details.get("target_groups", []):
+                group = group if isinstance(group, dict) else group.model_dump()
+                if group.get("app_name") == app_name and str(group.get("protocol")).endswith("HTTP"):
+                    ports += [int(t["port"]) for t in group.get("targets", [])]
+        direct = sorted({p for p in ports if p != serve_port})
+        if len(direct) == 1:
+            return f"http://{connect_host}:{direct[0]}"
+        if ports and not direct:  # Serve runs without direct ingress (started elsewhere)
+            return None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
 
 
 def _wait_healthy(base_url: str, timeout_s: float) -> None:
@@ -259,6 +303,7 @@ def describe(handle: ProxyHandle) -> str:
         {
             "base_url": handle.base_url,
             "openai_base_url": handle.openai_base_url,
+            "serve_url": handle.serve_url or handle.base_url,
             "admin_token": handle.admin_token,
             "cells": handle.cell_ids,
             "records_dir": handle.records_dir,

@@ -3,10 +3,17 @@
 `ProxyDeployment` looks up the (named) cell actors and the trajectory-store actor, builds a
 `ProxyService` and serves `build_app(service)`. `proxy_application(settings)` binds it with the
 replica options from the `proxy` section; `gyre_ray.proxy.launch.start_proxy` starts everything.
+
+With `settings["direct_ingress"]` the replica also serves HTTP itself (Serve's direct ingress,
+`RAY_SERVE_ENABLE_DIRECT_INGRESS`): clients that connect to the replica's own port skip Serve's HTTP
+proxy actor, which otherwise adds an actor call per request (and one more to fetch a POST body).
+Serve's controller must run with the same variables (`DIRECT_INGRESS_ENV`) to report that port.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 from ray import serve
@@ -18,14 +25,19 @@ from gyre_ray.proxy.codec import ChatCodec
 from gyre_ray.proxy.config import ProxySection
 from gyre_ray.proxy.service import ProxyService
 
+# user code on the replica's main loop: awaiting cell and store actors skips a thread hop
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# Serve's direct ingress, for the controller and the replica; nothing external has to deregister
+# the replica before it stops, so it stops without the default 30 s draining period.
+DIRECT_INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+}
+
 
 @serve.deployment(
     name="gyre-proxy",
-    ray_actor_options={
-        "num_cpus": 0,
-        # user code on the replica's main loop: awaiting cell and store actors skips a thread hop
-        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
-    },
+    ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
     max_ongoing_requests=4096,
 )
 @serve.ingress()
@@ -33,7 +45,8 @@ class ProxyDeployment:
     """One proxy replica.
 
     `settings`: {"proxy": ProxySection dump, "model": ModelSection dump, "namespace": str,
-    "cells": {cell_id: actor name}, "store": actor name, "admin_token": str}.
+    "cells": {cell_id: actor name}, "store": actor name, "admin_token": str,
+    "direct_ingress": bool (optional)}.
     """
 
     def __init__(self, settings: dict[str, Any]) -> None:
@@ -52,8 +65,20 @@ class ProxyDeployment:
     def __serve_build_asgi_app__(self) -> Any:
         return build_app(self.service)
 
+    async def __del__(self) -> None:
+        """Replica shutdown: hand the last pending records to the store and wait until it has them."""
+        with contextlib.suppress(Exception):  # the store is already gone: nothing left to keep them
+            self.service.flush_records()
+            await asyncio.wait_for(self.service.store.call("stats"), timeout=30)
+
 
 def proxy_application(settings: dict[str, Any]) -> Any:
     """The bound Serve application for `settings` (see ProxyDeployment)."""
     section = ProxySection.model_validate(settings["proxy"])
-    return ProxyDeployment.options(num_replicas=section.num_replicas).bind(settings)
+    env = dict(REPLICA_ENV)
+    if settings.get("direct_ingress"):
+        env.update(DIRECT_INGRESS_ENV)
+    return ProxyDeployment.options(
+        num_replicas=section.num_replicas,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
+    ).bind(settings)

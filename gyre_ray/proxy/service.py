@@ -26,6 +26,7 @@ from gyre_ray.proxy.store import StoreError
 from gyre_ray.trajectory.records import CallRecord
 
 SPLICE_CACHE_PER_EXECUTION = 1024
+RECORD_BATCH_MAX = 256  # pending records handed to the store in one call at most
 
 
 class _Slot:
@@ -67,7 +68,15 @@ class ProxyService:
         self._inflight: dict[str, int] = {}
         self._main_system: dict[str, str] = {}
         self._splices: dict[str, OrderedDict[str, tuple[str, list[int]]]] = {}
-        self.counters = {"calls": 0, "migrations": 0, "spliced_messages": 0, "client_aborts": 0}
+        self._pending: list[tuple[CallRecord, str | None]] = []  # records not yet handed to the store
+        self._flush: asyncio.Handle | None = None
+        self.counters = {
+            "calls": 0,
+            "migrations": 0,
+            "spliced_messages": 0,
+            "client_aborts": 0,
+            "record_batches": 0,
+        }
 
     # ---- auth ---------------------------------------------------------------------------------
     def is_admin(self, token: str | None) -> bool:
@@ -98,13 +107,13 @@ class ProxyService:
 
     async def records_jsonl(self, execution_id: str) -> str:
         try:
-            return await self.store.call("records_jsonl", execution_id)
+            return await self.store_read("records_jsonl", execution_id)
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
 
     async def finish_execution(self, execution_id: str) -> str:
         try:
-            path = await self.store.call("finish_execution", execution_id)
+            path = await self.store_read("finish_execution", execution_id)
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
         self.router.forget(execution_id)
@@ -221,7 +230,7 @@ class ProxyService:
         cache = self._splices.setdefault(execution_id, OrderedDict())
         missing = sorted({key for key in wanted.values() if key not in cache})
         if missing:
-            found = await self.store.call("find_outputs", execution_id, missing)
+            found = await self.store_read("find_outputs", execution_id, missing)
             for key, (call_id, ids) in found.items():
                 self._remember(execution_id, key, call_id, ids)
         spliced: dict[int, list[int]] = {}
@@ -305,7 +314,37 @@ class ProxyService:
         )
         if splice_key is not None and run.output_ids:
             self._remember(call.execution_id, splice_key, call.call_id, run.output_ids)
-        self.store.submit("add", record, splice_key)
+        self._pending.append((record, splice_key))
+        if len(self._pending) >= RECORD_BATCH_MAX or not getattr(self.store, "batched", False):
+            self.flush_records()
+        elif self._flush is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop (a synchronous caller): hand it over now
+                self.flush_records()
+            else:  # once the running response has been written: off the call's latency path
+                self._flush = loop.call_soon(self.flush_records)
+
+    def flush_records(self) -> int:
+        """Hand every pending record to the store in one call (not awaited); returns how many.
+
+        The store applies one caller's calls in order, so any store call made after this one
+        (`store_read`) sees these records.
+        """
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if not self._pending:
+            return 0
+        batch, self._pending = self._pending, []
+        self.store.submit("add_many", batch)
+        self.counters["record_batches"] += 1
+        return len(batch)
+
+    async def store_read(self, method: str, *args: Any) -> Any:
+        """A store call that must see every call recorded so far (pending records go first)."""
+        self.flush_records()
+        return await self.store.call(method, *args)
 
 
 def new_call_id() -> str:

@@ -47,6 +47,7 @@ class TrajectoryStore:
         self._executions: dict[str, _Execution] = {}
         self._by_key: dict[str, str] = {}
         self._in_memory = 0
+        self._rejected = 0
         self._lock = threading.Lock()
 
     # ---- executions and keys -------------------------------------------------------------------
@@ -107,6 +108,17 @@ class TrajectoryStore:
             if self._in_memory > self.max_records_in_memory:
                 self._spill_oldest()
 
+    def add_many(self, items: list[tuple[CallRecord, str | None]]) -> None:
+        """`add` for each (record, splice key), in order: a proxy hands over its records in batches.
+
+        A record of an unknown execution is counted (`rejected_records`) without stopping the batch.
+        """
+        for record, splice_key in items:
+            try:
+                self.add(record, splice_key)
+            except StoreError:
+                self._rejected += 1
+
     def find_outputs(self, execution_id: str, keys: list[str]) -> dict[str, tuple[str, list[int]]]:
         """(call id, recorded output ids) of those `keys` that are in the execution's splice index."""
         ex = self._executions.get(execution_id)
@@ -140,6 +152,7 @@ class TrajectoryStore:
             "executions": len(self._executions),
             "records_in_memory": self._in_memory,
             "finished": sum(ex.finished for ex in self._executions.values()),
+            "rejected_records": self._rejected,
         }
 
     # ---- internals --------------------------------------------------------------------------------
