@@ -65,8 +65,9 @@ class DualRoleCell(RolloutCell):
         trainer_factory: TrainerFactory,
         torch_threads: int | None = None,
         is_core: bool | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
-        super().__init__(cell_id, engine_factory, torch_threads)
+        super().__init__(cell_id, engine_factory, torch_threads, stream_interval_s)
         self.trainer_factory = trainer_factory
         self.trainer: Trainer | None = None
         self.is_core = cell_id.endswith("-0") if is_core is None else is_core

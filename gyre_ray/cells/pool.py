@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_ray.cells.cell import EngineFactory, RolloutCell
+from gyre_ray.cells.dual_role import DualRoleCell, TrainerFactory
 
 
 @dataclass
@@ -64,18 +65,20 @@ class CellPool:
         namespace: str | None = None,
         detached: bool = False,
         stream_interval_s: float = 0.0,
+        trainer_factory: TrainerFactory | None = None,
     ) -> CellPool:
         """Reserve the groups, start one cell actor in each and wait until every engine is built.
 
         `detached`: groups and actors outlive the calling process (Serve app builders).
         `stream_interval_s`: see `RolloutCell`.
+        `trainer_factory`: start `DualRoleCell`s (rollout or training; the first cell is the core).
         """
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pool = cls(plan_cells(num_cells, cpus_per_cell, prefix), namespace=namespace)
-        actor_cls = ray.remote(RolloutCell)
+        actor_cls = ray.remote(RolloutCell if trainer_factory is None else DualRoleCell)
         try:
             for spec in pool.specs:
                 group = placement_group(
@@ -86,7 +89,17 @@ class CellPool:
                 )
                 pool.groups[spec.cell_id] = group
             ray.get([g.ready() for g in pool.groups.values()], timeout=timeout_s)
-            for spec in pool.specs:
+            for index, spec in enumerate(pool.specs):
+                args = (spec.cell_id, engine_factory, spec.torch_threads, stream_interval_s)
+                if trainer_factory is not None:
+                    args = (
+                        spec.cell_id,
+                        engine_factory,
+                        trainer_factory,
+                        spec.torch_threads,
+                        index == 0,
+                        stream_interval_s,
+                    )
                 strategy = PlacementGroupSchedulingStrategy(
                     placement_group=pool.groups[spec.cell_id], placement_group_bundle_index=0
                 )
@@ -97,7 +110,7 @@ class CellPool:
                     scheduling_strategy=strategy,
                     max_concurrency=1000,
                     lifetime="detached" if detached else None,
-                ).remote(spec.cell_id, engine_factory, spec.torch_threads, stream_interval_s)
+                ).remote(*args)
             ray.get([a.setup.remote() for a in pool.actors.values()], timeout=timeout_s)
         except BaseException:
             pool.shutdown()

@@ -41,7 +41,7 @@ from gyre_ray.scheduling.state import Launch, Role, SwitchToRollout, SwitchToTra
 
 def cell_actors(proxy: Any) -> dict[str, Any]:
     """The cell actors behind a proxy handle, core first (cell ids in pool order)."""
-    return {cell_id: proxy._pool.actors[cell_id] for cell_id in proxy.cell_ids}
+    return proxy.cell_actors()
 
 
 def run_elastic_step(

@@ -90,15 +90,9 @@ class ProxyHandle:
     def stats(self) -> dict[str, Any]:
         return self._admin("GET", "/gyre/stats").json()
 
-    def update_weights(self, state_dict: dict[str, Any], version: int, timeout_s: float = 300.0) -> None:
-        """Publish new weights to every rollout cell: one copy in the object store, loaded at a safe point."""
-        import ray
-
-        ref = ray.put(state_dict)
-        ray.get(
-            [actor.update_weights.remote(ref, version) for actor in self._pool.actors.values()],
-            timeout=timeout_s,
-        )
+    def cell_actors(self) -> dict[str, Any]:
+        """The cell actors by cell id, in pool order (the core first)."""
+        return {cell_id: self._pool.actors[cell_id] for cell_id in self.cell_ids}
 
     def shutdown(self) -> None:
         """Delete the Serve app, kill the cells and the store; stop Ray if this handle started it."""
@@ -127,13 +121,15 @@ def start_backends(
     config: GyreConfig,
     engine_factory: EngineFactory | None = None,
     *,
+    trainer_factory: Any = None,
     admin_token: str | None = None,
     detached: bool = False,
     timeout_s: float = 300.0,
 ) -> tuple[dict[str, Any], Any, Any]:
     """Start the trajectory store and the cells (named actors); return (deployment settings, pool, store).
 
-    `detached`: the actors outlive the calling process (for `serve run` / `serve deploy` builders).
+    `trainer_factory`: the cells are dual-role (rollout or training); `detached`: the actors outlive
+    the calling process (for `serve run` / `serve deploy` builders).
     """
     from gyre_ray.cells.factories import PolicyEngineFactory
     from gyre_ray.cells.pool import CellPool
@@ -156,6 +152,7 @@ def start_backends(
             namespace=NAMESPACE,
             detached=detached,
             stream_interval_s=section.stream_interval_s,
+            trainer_factory=trainer_factory,
         )
     except BaseException:
         import ray
@@ -178,6 +175,7 @@ def start_proxy(
     config: GyreConfig,
     engine_factory: EngineFactory | None = None,
     *,
+    trainer_factory: Any = None,
     app_name: str = "gyre-proxy",
     timeout_s: float = 300.0,
 ) -> ProxyHandle:
@@ -200,7 +198,9 @@ def start_proxy(
     direct = section.direct_ingress and section.num_replicas == 1
     pool = store = None
     try:
-        settings, pool, store = start_backends(config, engine_factory, timeout_s=timeout_s)
+        settings, pool, store = start_backends(
+            config, engine_factory, trainer_factory=trainer_factory, timeout_s=timeout_s
+        )
         settings["direct_ingress"] = direct
         port = section.port or free_port(section.host)
         quiet = {"log_level": "WARNING", "enable_access_log": False}
