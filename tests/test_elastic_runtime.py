@@ -77,13 +77,13 @@ def test_elastic_brings_a_trainer_back_when_demand_returns() -> None:
 
 
 def test_colocate_trains_on_every_cell_once_the_rollout_is_over() -> None:
-    section = SchedulerSection(policy="colocate", cells=3)
+    section = SchedulerSection(policy="colocate")
     views = cells(3, 2.0)
     ledger = ledger_with(2, {0: 0, 1: 1})
     for e in (0, 1):
         ledger.end(e)
     state = build_state(3.0, 0, 0, views, ledger, queued_micro_batches=1, costs=COSTS)
-    assert policy_from_section(section).decide(state) == [
+    assert policy_from_section(section, 3).decide(state) == [
         SwitchToTrain(0),
         SwitchToTrain(1),
         SwitchToTrain(2),
@@ -91,7 +91,7 @@ def test_colocate_trains_on_every_cell_once_the_rollout_is_over() -> None:
 
 
 def test_policies_are_built_from_the_scheduler_section_like_the_simulator() -> None:
-    elastic = policy_from_section(SchedulerSection(policy="elastic", elastic_repay_factor=2.0))
+    elastic = policy_from_section(SchedulerSection(policy="elastic", elastic_repay_factor=2.0), 2)
     assert isinstance(elastic, ElasticPolicy) and elastic.repay_factor == 2.0
-    fixed = policy_from_section(SchedulerSection(policy="async", cells=4))
+    fixed = policy_from_section(SchedulerSection(policy="async"), 4)
     assert fixed.initial_roles(4) == [Role.TRAIN, Role.TRAIN, Role.ROLLOUT, Role.ROLLOUT]

@@ -59,7 +59,7 @@ def run_elastic_step(
 ) -> dict[str, Any]:
     """Roll out `planned` and train on it elastically; returns the step's metrics (incl. measured costs)."""
     step = _ElasticStep(proxy, cells or cell_actors(proxy), planned, cfg, workspaces, decode, vocab_size)
-    return step.run(policy or policy_from_section(cfg.scheduler), costs or Costs(), timeout_s)
+    return step.run(policy or policy_from_section(cfg.scheduler, len(step.ids)), costs or Costs(), timeout_s)
 
 
 class _ElasticStep:

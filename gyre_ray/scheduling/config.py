@@ -16,7 +16,6 @@ class SchedulerSection(Section):
     """Scheduling policy and its knobs (shared by the simulator and the Ray scheduler)."""
 
     policy: Literal["elastic", "colocate", "async"] = Field("elastic", description="Scheduling policy.")
-    cells: int = Field(2, ge=1, description="Number of cells the devices are split into.")
     staleness: int = Field(1, ge=0, description="Max policy-version lag of trained tokens (eta).")
     elastic_repay_factor: float = Field(
         1.0,
@@ -33,5 +32,5 @@ class SchedulerSection(Section):
         0,
         ge=0,
         description="async: cells that train (the rest roll out); 0 = the simulator's best split "
-        "(real runs then use cells // 2).",
+        "(real runs then use half of proxy.num_cells).",
     )

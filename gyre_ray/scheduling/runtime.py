@@ -164,12 +164,12 @@ def migrate_executions(ledger: ExecutionLedger, leaving: int, cells: list[CellVi
     return moves
 
 
-def policy_from_section(section: SchedulerSection) -> Policy:
-    """The policy object the simulator would build from the same `scheduler` section."""
+def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
+    """The policy object the simulator would build from the same `scheduler` section, for `num_cells` cells."""
     if section.policy == "elastic":
         return make_policy(
             "elastic", repay_factor=section.elastic_repay_factor, prefetch=section.elastic_prefetch
         )
     if section.policy == "async":
-        return make_policy("async", train_cells=section.async_train_cells or max(1, section.cells // 2))
+        return make_policy("async", train_cells=section.async_train_cells or max(1, num_cells // 2))
     return make_policy(section.policy)
