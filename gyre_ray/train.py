@@ -47,7 +47,11 @@ def new_run_dir(cfg: GyreConfig) -> Path:
 
 def connect_ray() -> None:
     """Join the cluster under `ray job submit` (RAY_ADDRESS is set), else start a private local Ray."""
+    import logging
+
     import ray
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the job prints its own progress
 
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level="WARNING")
