@@ -348,6 +348,37 @@ def test_role_header_is_recorded_and_an_unknown_role_is_a_400(proxy):
     assert [r.role for r in records] == ["sub-agent"]
 
 
+def test_a_lone_surrogate_escape_is_a_400_while_an_escaped_pair_is_text(proxy):
+    # Valid JSON (`"\ud800"`) that Python parses into a str the tokenizer cannot take: a 400, not a 500.
+    lone = '"a \\ud800 b"'
+    bodies = {
+        "/v1/chat/completions": '{"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": %s}]}',
+        "/v1/completions": '{"model": "m", "max_tokens": 3, "prompt": %s}',
+        "/v1/messages": '{"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": %s}]}',
+        "/v1/messages/count_tokens": '{"model": "m", "messages": [{"role": "user", "content": "x"}], "system": %s}',
+    }
+
+    async def body(c, _):
+        key = {"x-api-key": c.anthropic.api_key, "content-type": "application/json"}
+        out = {
+            path: await c.http.post(path, content=template % lone, headers=key)
+            for path, template in bodies.items()
+        }
+        pair = bodies["/v1/chat/completions"] % '"\\ud83d\\ude00"'  # json.dumps' escaping of an emoji
+        out["pair"] = await c.http.post("/v1/chat/completions", content=pair, headers=key)
+        return out
+
+    out, records = scenario(proxy, body)
+    for path in bodies:
+        response = out[path]
+        assert response.status_code == 400, (path, response.text)
+        message = response.json()["error"]["message"]
+        assert "surrogate" in message
+        assert (response.json().get("type") == "error") == path.startswith("/v1/messages")
+    assert out["pair"].status_code == 200
+    assert len(records) == 1 and "\U0001f600" in CODEC.decode(records[0].input_ids)
+
+
 # ---- limits -------------------------------------------------------------------------------------------------
 def test_max_tokens_capped_to_context_and_over_long_prompts_rejected(tmp_path):
     small = ChatCodec(CODEC.tokenizer, context_length=64)

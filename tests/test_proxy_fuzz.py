@@ -201,7 +201,9 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_proxy_keeps_serving(env):
 
     one()
     assert seen["requests"] >= 500
-    assert seen["ok"] > 50 and seen["4xx"] > 200  # both outcomes were exercised
+    # Both outcomes were exercised. About 1 case in 10 is a valid, authorised POST (~50 of 520); the floor
+    # sits well below that so a change in which examples Hypothesis draws cannot fail the test.
+    assert seen["ok"] >= 20 and seen["4xx"] > 200
     good = {"model": "m", "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4}
     response = loop.run_until_complete(
         client.post("/v1/chat/completions", json=good, headers={"Authorization": f"Bearer {key}"})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -60,11 +61,37 @@ async def _read_json(request: Request, limit: int) -> Any:
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        return json.loads(bytes(body), parse_constant=_reject_constant)
+        value = json.loads(bytes(body), parse_constant=_reject_constant)
     except RecursionError:
         raise ApiError(400, "malformed JSON: nested too deeply") from None
     except ValueError as exc:
         raise ApiError(400, f"malformed JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(body):  # only an escape can put a surrogate in a parsed string
+        _reject_lone_surrogates(value)
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _reject_lone_surrogates(value: Any) -> None:
+    """400 for a string holding an unpaired \\ud800-\\udfff escape: valid JSON, but not text."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(
+                    400,
+                    "malformed JSON: a string holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff)",
+                ) from None
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _reject_constant(name: str) -> Any:
