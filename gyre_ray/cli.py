@@ -41,13 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
     cfg.set_defaults(handler=_config_command)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # that command is not built yet
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

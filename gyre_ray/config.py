@@ -9,7 +9,7 @@ the dotted key and what is allowed there.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError
@@ -33,7 +33,9 @@ class RunSection(Section):
     run_dir: str = Field("runs", description="Folder under which run folders are created.")
     steps: int = Field(1, ge=1, description="RL steps (optimizer updates) to run.")
     tasks_per_step: int = Field(2, ge=1, description="Distinct tasks per step; each runs group_size times.")
-    wandb_mode: str = Field("offline", description="wandb mode: offline, online or disabled.")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="wandb mode (offline needs no network; `wandb sync` uploads later)."
+    )
     seed: int = Field(0, description="Global seed.")
 
 

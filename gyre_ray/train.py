@@ -45,20 +45,21 @@ def new_run_dir(cfg: GyreConfig) -> Path:
     return run_dir
 
 
-def connect_ray() -> None:
+def connect_ray(cfg: GyreConfig) -> None:
     """Join the cluster under `ray job submit` (RAY_ADDRESS is set), else start a private local Ray."""
     import logging
 
     import ray
 
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the job prints its own progress
+    from gyre_ray.proxy.launch import local_ray_cpus
 
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the job prints its own progress
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level="WARNING")
     else:
         ray.init(
             address="local",
-            num_cpus=max(2, os.cpu_count() or 2),
+            num_cpus=local_ray_cpus(cfg.proxy),
             include_dashboard=False,
             logging_level="WARNING",
         )
@@ -83,7 +84,7 @@ def train(cfg: GyreConfig) -> dict[str, Any]:
     print(f"gyre-ray: run folder {run_dir}", flush=True)
     tokenizer, args = load_tokenizer_and_args(cfg.model)
     tasks = get_task_set(cfg.agents.task_set)
-    connect_ray()
+    connect_ray(cfg)
     proxy = start_elastic_proxy(cfg)
     print(
         f"gyre-ray: proxy at {proxy.base_url}; {len(proxy.cell_ids)} dual-role cells "

@@ -250,7 +250,7 @@ class _ElasticStep:
 
     def _process_group(self, group: str) -> None:
         """A whole group has ended: records -> trees -> micro-batches, each put in the object store."""
-        from gyre_ray.trajectory.pipeline import build_training_batches, process_execution
+        from gyre_ray.trajectory.pipeline import training_batches_with_stats
 
         outcomes = [self.outcomes[e] for e in self.groups[group]]
         valid = [o for o in outcomes if o.valid]
@@ -259,14 +259,10 @@ class _ElasticStep:
             self.proxy.finish_execution(o.execution_id)
         rewards = {o.execution_id: o.reward for o in valid}
         groups = {e: group for e in records}
-        for r in records.values():
-            if r:
-                self.trees.append(
-                    process_execution(r, self.cfg.trajectory, self.decode, self.vocab_size).stats()
-                )
-        batches = build_training_batches(
+        batches, trees = training_batches_with_stats(
             records, rewards, groups, self.cfg, decode=self.decode, vocab_size=self.vocab_size
         )
+        self.trees.extend(trees)
         for batch in batches:
             self.stream.put(self.ray.put(batch), batch.meta.get("execution_ids", []))
         self.processed.add(group)

@@ -26,6 +26,7 @@ import httpx
 
 from gyre_ray.cells.cell import EngineFactory
 from gyre_ray.config import GyreConfig
+from gyre_ray.proxy.config import ProxySection
 from gyre_ray.trajectory.records import CallRecord
 
 NAMESPACE = "gyre-ray"
@@ -111,6 +112,11 @@ class ProxyHandle:
             ray.shutdown()
 
 
+def local_ray_cpus(section: ProxySection) -> int:
+    """CPUs a private local Ray declares: the machine's, and at least what the cells' bundles reserve."""
+    return max(os.cpu_count() or 1, math.ceil(section.num_cells * section.cpus_per_cell))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -193,8 +199,12 @@ def start_proxy(
     section = config.proxy
     owns_ray = not ray.is_initialized()
     if owns_ray:
-        cpus = max(os.cpu_count() or 1, math.ceil(section.num_cells * section.cpus_per_cell))
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="WARNING")
+        ray.init(
+            address="local",
+            num_cpus=local_ray_cpus(section),
+            include_dashboard=False,
+            logging_level="WARNING",
+        )
     direct = section.direct_ingress and section.num_replicas == 1
     pool = store = None
     try:

@@ -120,7 +120,24 @@ def build_training_batches(
     vocab_size: int | None = None,
     layout: str = "packed",
 ) -> list[MicroBatch]:
-    """Micro-batches for the tree GSPO loss from a set of finished, rewarded executions.
+    """Micro-batches for the tree GSPO loss (see `training_batches_with_stats`, which also returns tree figures)."""
+    batches, _ = training_batches_with_stats(
+        records_by_execution, rewards, group_ids, cfg, decode, vocab_size, layout
+    )
+    return batches
+
+
+def training_batches_with_stats(
+    records_by_execution: Mapping[str, Sequence[CallRecord]],
+    rewards: Mapping[str, float],
+    group_ids: Mapping[str, Hashable],
+    cfg: Any = None,
+    decode: Decode | None = None,
+    vocab_size: int | None = None,
+    layout: str = "packed",
+) -> tuple[list[MicroBatch], list[dict[str, Any]]]:
+    """Micro-batches for the tree GSPO loss from a set of finished, rewarded executions, and each
+    execution's `ProcessedExecution.stats()` (every tree is built once, for both).
 
     Advantages are normalised within each group (`group_ids[execution] -> task key`) over the
     executions that have a reward. Executions without model-generated tokens are skipped (they
@@ -134,6 +151,7 @@ def build_training_batches(
         raise KeyError(f"executions without a reward: {', '.join(sorted(missing))}")
     advantages = group_advantages(rewards, group_ids, algo_cfg.normalize_std, algo_cfg.advantage_eps)
     samples: list[Sample] = []
+    stats: list[dict[str, Any]] = []
     for execution_id, records in records_by_execution.items():
         for record in records:
             if record.execution_id != execution_id:
@@ -142,16 +160,19 @@ def build_training_batches(
                     f"but is listed under {execution_id!r}"
                 )
         processed = process_execution(records, traj_cfg, decode, vocab_size)
+        if records:
+            stats.append(processed.stats())
         for sample in execution_samples(processed, advantages[execution_id], layout):
             # Roots never attend to each other: shorter pieces keep the dense (T, T) masks small.
             pieces = split_roots(sample) if layout == "packed" else [sample]
             samples.extend(piece for piece in pieces if piece.num_loss_tokens)
     if not samples:
-        return []
-    return micro_batches(
+        return [], stats
+    batches = micro_batches(
         samples,
         traj_cfg.row_tokens,
         traj_cfg.micro_batch_tokens,
         share_rows=layout == "packed",
         max_row_padding=traj_cfg.max_row_padding,
     )
+    return batches, stats
