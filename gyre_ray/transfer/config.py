@@ -1,0 +1,61 @@
+"""Config section `transfer`: which backend moves weights, gradients and KV state, and each backend's options."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gyre_ray.configbase import Section
+
+Backend = Literal["object_store", "mooncake", "collective"]
+
+
+class MooncakeOptions(Section):
+    """Mooncake transfer engine: TCP on CPU machines, RDMA on clusters (the same code)."""
+
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transport protocol.")
+    device_name: str = Field("", description="RDMA NIC(s), e.g. 'mlx5_0' (empty for TCP).")
+    hostname: str = Field("127.0.0.1", description="Address this process is reached at by its peers.")
+    metadata_server: str = Field(
+        "P2PHANDSHAKE", description="Mooncake metadata service; P2PHANDSHAKE needs none (peers handshake)."
+    )
+    chunk_bytes: int = Field(
+        64 << 20,
+        ge=1 << 16,
+        description="Largest piece of one read; a transfer is read in such pieces at once.",
+    )
+    staging_buffers: int = Field(
+        2,
+        ge=1,
+        description="Registered send buffers reused round-robin across versions (2: version v stays "
+        "readable while v+1 is staged).",
+    )
+
+
+class CollectiveOptions(Section):
+    """ray.util.collective: gloo on CPU, NCCL (cupy) on GPU (the same code)."""
+
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective backend.")
+    group_name: str = Field("gyre-transfer", description="Name of the collective group of the cells.")
+
+
+class TransferSection(Section):
+    """What moves between cells, and how."""
+
+    weights: Backend = Field("object_store", description="Backend publishing the core's weights to cells.")
+    gradients: Backend = Field(
+        "object_store", description="Backend carrying satellites' gradients to the core."
+    )
+    kv: Literal["object_store", "mooncake"] = Field(
+        "object_store",
+        description="Backend moving a request's or a waiting session's KV state between cells.",
+    )
+    verify_checksums: bool = Field(
+        False, description="CRC-32 every tensor on both ends and fail a transfer whose bytes differ."
+    )
+    timeout_s: float = Field(120.0, gt=0, description="Longest a single transfer may take before it fails.")
+    mooncake: MooncakeOptions = Field(default_factory=MooncakeOptions, description="Mooncake options.")
+    collective: CollectiveOptions = Field(
+        default_factory=CollectiveOptions, description="Collective options."
+    )

@@ -1,0 +1,120 @@
+"""Mooncake transfer engine backend: receivers read the sender's registered buffer (TCP here, RDMA on clusters).
+
+Each process starts one `TransferEngine` (`transfer.mooncake`: protocol, NIC, metadata service;
+P2PHANDSHAKE needs no metadata server: peers are named "host:rpc_port"). The sender keeps
+`staging_buffers` registered buffers and reuses them round-robin across versions (reallocating
+only when a payload outgrows one), so version v stays readable while v+1 is staged. A receiver
+keeps one registered buffer of its own, reads the payload in `chunk_bytes` pieces in one batch,
+then copies the tensors out. Needs the `mooncake-transfer-engine` wheel (the non-CUDA build on CPU
+machines, with Debian's libibverbs1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gyre_ray.transfer.base import Ticket, TransferError, Transport, register_transport
+from gyre_ray.transfer.layout import plan, read_from, write_into
+
+
+def mooncake_available() -> tuple[bool, str]:
+    """Whether the Mooncake transfer engine imports here, and why not."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError for a missing libibverbs
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, ""
+
+
+class _Registered:
+    """A uint8 buffer registered with the engine (re-registered when it must grow)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def ensure(self, nbytes: int) -> torch.Tensor:
+        if self.buffer.numel() < nbytes:
+            self.free()
+            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            if self.engine.register_memory(self.buffer.data_ptr(), self.buffer.numel()) != 0:
+                raise TransferError(f"mooncake: registering a {nbytes}-byte buffer failed")
+        return self.buffer
+
+    def free(self) -> None:
+        if self.buffer.numel():
+            self.engine.unregister_memory(self.buffer.data_ptr())
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+@register_transport
+class MooncakeTransport(Transport):
+    """`stage` copies into a registered buffer; `fetch` reads it over the transfer engine."""
+
+    name = "mooncake"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._engine: Any = None
+        self._send: list[_Registered] = []
+        self._recv: _Registered | None = None
+        self._next = 0
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            ok, why = mooncake_available()
+            if not ok:
+                raise TransferError(f"{self.owner}: the Mooncake transfer engine cannot load ({why})")
+            from mooncake.engine import TransferEngine
+
+            opts = self.section.mooncake
+            engine = TransferEngine()
+            rc = engine.initialize(opts.hostname, opts.metadata_server, opts.protocol, opts.device_name)
+            if rc != 0:
+                raise TransferError(
+                    f"{self.owner}: Mooncake initialize({opts.hostname}, {opts.protocol}) returned {rc}"
+                )
+            self._engine = engine
+            self._send = [_Registered(engine) for _ in range(opts.staging_buffers)]
+            self._recv = _Registered(engine)
+        return self._engine
+
+    @property
+    def session_id(self) -> str:
+        return f"{self.section.mooncake.hostname}:{self.engine.get_rpc_port()}"
+
+    def stage(self, payload: Any, *, kind: str, version: int | None = None, **_: Any) -> Ticket:
+        layout, tensors = plan(payload)
+        session = self.session_id
+        slot = self._send[self._next % len(self._send)]
+        self._next += 1
+        buffer = slot.ensure(layout.nbytes)
+        write_into(buffer, layout, tensors)
+        address = {"peer": session, "addr": buffer.data_ptr()}
+        return Ticket(self.name, kind, self.owner, layout, version, self._checksums(tensors), address)
+
+    def fetch(self, ticket: Ticket) -> Any:
+        engine = self.engine
+        assert self._recv is not None
+        buffer = self._recv.ensure(ticket.nbytes)
+        chunk = self.section.mooncake.chunk_bytes
+        offsets = list(range(0, ticket.nbytes, chunk))
+        local = [buffer.data_ptr() + o for o in offsets]
+        remote = [ticket.address["addr"] + o for o in offsets]
+        lengths = [min(chunk, ticket.nbytes - o) for o in offsets]
+        if offsets:
+            rc = engine.batch_transfer_sync_read(ticket.address["peer"], local, remote, lengths)
+            if rc != 0:
+                raise self.error(
+                    ticket, f"Mooncake read from {ticket.address['peer']} returned {rc} (peer gone?)"
+                )
+        self._verify(ticket, buffer)
+        return read_from(buffer, ticket.layout, copy=True)
+
+    def close(self) -> None:
+        for slot in [*self._send, *([self._recv] if self._recv else [])]:
+            slot.free()
+        self._send, self._recv, self._engine = [], None, None

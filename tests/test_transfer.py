@@ -1,0 +1,230 @@
+"""The transfer seam: payload layout, and every backend moving weights, gradients and KV state between
+Ray actors bit-for-bit; failures name the cell and the version and leave the old weights in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from gyre_ray.engines.base import KVState, SamplingParams
+from gyre_ray.engines.testing import small_model
+from gyre_ray.transfer import TransferError, make_transport
+from gyre_ray.transfer.config import TransferSection
+from gyre_ray.transfer.layout import checksums, plan, read_from, tensor_checksums, write_into
+from gyre_ray.transfer.mooncake import mooncake_available
+from gyre_ray.transfer.weights import WeightPublisher, WeightReceiver
+
+MOONCAKE_OK, MOONCAKE_WHY = mooncake_available()
+needs_mooncake = pytest.mark.skipif(
+    not MOONCAKE_OK and os.environ.get("CI") != "true", reason=f"Mooncake cannot load here: {MOONCAKE_WHY}"
+)
+BACKENDS = ["object_store", pytest.param("mooncake", marks=needs_mooncake), "collective"]
+
+
+def _payload() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(5, 7, generator=g),
+        "bf16": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(11, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+        "strided": torch.randn(6, 4, generator=g).t(),  # not contiguous
+        "kv": _kv_state("r1", layers=1),
+        "meta": {"step": 3, "names": ["a", "b"]},
+    }
+
+
+def _kv_state(rid: str, layers: int) -> KVState:
+    g = torch.Generator().manual_seed(1)
+    kv = [(torch.randn(2, 8, 4, generator=g), torch.randn(2, 8, 4, generator=g)) for _ in range(layers)]
+    return KVState(rid, [1, 2, 3, 4, 5, 6, 7, 8], [9], [-0.5], [0], SamplingParams(temperature=0.0), kv)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, KVState):
+        return (
+            a.rid == b.rid and a.input_ids == b.input_ids and _same(a.kv, b.kv) and a.sampling == b.sampling
+        )
+    return a == b
+
+
+def test_layout_round_trip_is_bit_exact() -> None:
+    payload = _payload()
+    layout, tensors = plan(payload)
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    write_into(buffer, layout, tensors)
+    assert all(s.offset % 64 == 0 for s in layout.specs)
+    assert checksums(buffer, layout) == tensor_checksums(tensors)
+    assert _same(read_from(buffer, layout), payload)
+
+
+@ray.remote
+class Peer:
+    """One process' end of a transport, as a cell actor would hold it."""
+
+    def __init__(self, backend: str, owner: str) -> None:
+        self.transport = make_transport(backend, TransferSection(verify_checksums=True), owner=owner)
+        self.receivers: dict[str, WeightReceiver] = {}
+        self.got: dict[str, Any] = {}
+        self.publisher = WeightPublisher(self.transport)
+
+    def join(self, world: int, rank: int) -> None:
+        self.transport.join(world, rank)
+
+    def stage(self, payload: Any, kind: str, version: int | None = None, **options: Any) -> Any:
+        return self.transport.stage(payload, kind=kind, version=version, **options)
+
+    def publish(self, state: dict, version: int) -> Any:
+        return self.publisher.publish(state, version)
+
+    def push(self, ticket: Any) -> None:
+        self.transport.push(ticket)
+
+    def fetch(self, ticket: Any) -> Any:
+        return self.transport.fetch(ticket)
+
+    def receive_weights(self, ticket: Any, engine: str = "main") -> int:
+        """Load `ticket` into the named (stand-in) engine, through that engine's WeightReceiver."""
+        receiver = self.receivers.setdefault(engine, WeightReceiver(self.transport))
+        return receiver.receive(ticket, lambda state, version: self.got.__setitem__(engine, state))
+
+    def held(self, engine: str = "main") -> tuple[int | None, Any]:
+        receiver = self.receivers.get(engine)
+        return (receiver.version if receiver else None), self.got.get(engine)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_local():
+    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO lines
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+_PEERS: dict[str, list[Any]] = {}
+
+
+def _peers(backend: str) -> list[Any]:
+    """Three peers per backend (cell-0 the core), started once for the module (actors start slowly)."""
+    if backend not in _PEERS:
+        peers = [Peer.options(num_cpus=0).remote(backend, f"cell-{i}") for i in range(3)]
+        if backend == "collective":
+            ray.get([p.join.remote(3, i) for i, p in enumerate(peers)])
+        _PEERS[backend] = peers
+    return _PEERS[backend]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_arrive_bit_for_bit_on_every_cell(backend: str) -> None:
+    state = small_model(3).state_dict()
+    core, *cells = _peers(backend)
+    for version in (1, 2):
+        state = {k: v + version for k, v in state.items()}
+        ticket = ray.get(core.publish.remote(state, version))
+        assert ticket.checksums == tensor_checksums(list(state.values()))
+        pending = [c.receive_weights.remote(ticket) for c in cells] + [core.push.remote(ticket)]
+        assert ray.get(pending)[:-1] == [version] * len(cells)
+        for cell in cells:
+            held_version, got = ray.get(cell.held.remote())
+            assert held_version == version and _same(got, state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_from_satellites_sum_on_the_core(backend: str) -> None:
+    core, *satellites = _peers(backend)
+    grads = [{"a": torch.randn(4, 4), "b": torch.randn(9)} for _ in satellites]
+    tickets = ray.get(
+        [s.stage.remote(g, "grads", 0, dst_rank=0) for s, g in zip(satellites, grads, strict=True)]
+    )
+    total = {k: torch.zeros_like(v) for k, v in grads[0].items()}
+    for sat, ticket in zip(satellites, tickets, strict=True):
+        fetched, _ = ray.get([core.fetch.remote(ticket), sat.push.remote(ticket)])
+        for k in total:
+            total[k] += fetched[k]
+    for k in total:
+        assert torch.equal(total[k], grads[0][k] + grads[1][k])
+
+
+@pytest.mark.parametrize("backend", ["object_store", pytest.param("mooncake", marks=needs_mooncake)])
+def test_kv_state_moves_between_cells(backend: str) -> None:
+    _, a, b = _peers(backend)
+    state = _kv_state("req-7", layers=3)
+    ticket = ray.get(a.stage.remote(state, "kv"))
+    assert _same(ray.get(b.fetch.remote(ticket)), state)
+
+
+def _wait_dead(actor: Any, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.held.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the killed actor still answers")
+
+
+@needs_mooncake
+def test_failed_transfer_names_cell_and_version_and_keeps_old_weights() -> None:
+    _, _, cell = _peers("mooncake")
+    sender = Peer.options(num_cpus=0).remote("mooncake", "cell-9")
+    state = small_model(1).state_dict()
+    ray.get(cell.receive_weights.remote(ray.get(sender.publish.remote(state, 1)), "failing"))
+    ticket = ray.get(sender.publish.remote({k: v * 2 for k, v in state.items()}, 2))
+    ray.kill(sender)  # the sender is gone before the cell reads version 2
+    _wait_dead(sender)
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(cell.receive_weights.remote(ticket, "failing"))
+    assert isinstance(info.value.cause, TransferError)
+    message = str(info.value.cause)
+    assert "cell-2" in message and "weights v2" in message and "cell-9" in message
+    held_version, got = ray.get(cell.held.remote("failing"))
+    assert held_version == 1 and _same(got, state)
+
+
+@ray.remote(num_cpus=0)
+def _never() -> None:
+    time.sleep(3600)
+
+
+def test_object_store_timeout_is_a_clear_error_and_keeps_old_weights() -> None:
+    """On one node plasma outlives a dead sender, so the object store's failure here is a timeout."""
+    transport = make_transport("object_store", TransferSection(timeout_s=0.5), owner="cell-4")
+    receiver = WeightReceiver(transport)
+    held: list[int] = []
+    receiver.receive(WeightPublisher(transport).publish({"w": torch.ones(3)}, 1), lambda s, v: held.append(v))
+    stuck = _never.remote()
+    good = transport.stage({"w": torch.zeros(3)}, kind="weights", version=2)
+    ticket = dataclasses.replace(good, address={"ref": [stuck]})
+    with pytest.raises(
+        TransferError, match=r"cell-4: receiving weights v2 from cell-4 .* no data within 0.5 s"
+    ):
+        receiver.receive(ticket, lambda s, v: held.append(v))
+    assert receiver.version == 1 and held == [1]
+    ray.cancel(stuck, force=True)
+
+
+def test_receiver_never_goes_back_a_version() -> None:
+    transport = make_transport("object_store", owner="cell-1")
+    loads: list[int] = []
+    receiver = WeightReceiver(transport)
+    publisher = WeightPublisher(transport)
+    t1 = publisher.publish({"w": torch.ones(2)}, 1)
+    t2 = publisher.publish({"w": torch.ones(2) * 2}, 2)
+    assert receiver.receive(t2, lambda s, v: loads.append(v)) == 2
+    assert receiver.receive(t1, lambda s, v: loads.append(v)) == 2
+    assert loads == [2]
+    with pytest.raises(ValueError, match="only move forward"):
+        publisher.publish({"w": torch.ones(2)}, 2)
