@@ -24,6 +24,7 @@ from gyre_ray.scheduling.config import SchedulerSection
 from gyre_ray.sim.config import SimSection
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trajectory.config import TrajectorySection
+from gyre_ray.transfer.config import TransferSection
 
 
 class RunSection(Section):
@@ -52,6 +53,10 @@ class GyreConfig(Section):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Scheduling.")
     sim: SimSection = Field(default_factory=SimSection, description="Simulator.")
     proxy: ProxySection = Field(default_factory=ProxySection, description="Agent proxy.")
+    transfer: TransferSection = Field(
+        default_factory=TransferSection,
+        description="What moves between cells (weights, gradients, KV), and how.",
+    )
 
 
 class ConfigError(ValueError):
