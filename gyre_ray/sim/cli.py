@@ -36,6 +36,12 @@ def register(subparsers: Any) -> None:
         "--staleness", type=int, default=None, help="staleness bound eta (default scheduler.staleness)"
     )
     sim.add_argument("--seed", type=int, default=None, help="workload seed (default sim.seed)")
+    sim.add_argument(
+        "--trace",
+        default=None,
+        metavar="RUN_DIR",
+        help="replay a real run (RUN_DIR/trace.jsonl + costs.json): predicted vs measured makespan",
+    )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="draw each policy's cell-role timeline")
     sim.add_argument("--plot-hours", type=float, default=None, help="only the first H hours in the plot")
@@ -78,6 +84,8 @@ def _simulate_command(args: argparse.Namespace) -> int:
     from gyre_ray.sim.runner import costs_from, simulate
     from gyre_ray.sim.workload import WorkloadError, load_workload, sample_workload
 
+    if args.trace is not None:
+        return _replay_command(args)
     cfg = load_config(args.config, args.overrides)
     sim, sched = cfg.sim, cfg.scheduler
     cells = args.cells if args.cells is not None else sim.cells
@@ -131,6 +139,34 @@ def _simulate_command(args: argparse.Namespace) -> int:
             list(results.values()), args.plot, wl.capacity_per_cell(cells), title, args.plot_hours
         )
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _replay_command(args: argparse.Namespace) -> int:
+    from gyre_ray.config import load_config
+    from gyre_ray.sim.engine import SimulationError
+    from gyre_ray.sim.replay import format_prediction, predict_run
+    from gyre_ray.sim.workload import WorkloadError
+
+    ignored = [flag for flag, value in (("--workload", args.workload), ("--plot", args.plot)) if value]
+    if ignored or args.steps is not None or args.seed is not None:
+        return _fail(
+            "simulate",
+            "--trace replays the run's own workload and steps; drop --workload/--steps/--seed/--plot",
+        )
+    run_dir = Path(args.trace)
+    if not run_dir.is_dir():
+        return _fail("simulate", f"--trace {run_dir}: not a folder (expected a run folder with trace.jsonl)")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    split = load_config(args.config, args.overrides).scheduler.async_train_cells or None
+    try:
+        report = predict_run(run_dir, args.cells, args.staleness, policies, split)
+    except (WorkloadError, ValueError) as exc:
+        return _fail("simulate", str(exc))
+    except SimulationError as exc:
+        print(f"gyre-ray simulate: simulation failed: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_prediction(report))
     return 0
 
 

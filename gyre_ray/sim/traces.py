@@ -8,6 +8,10 @@ A trace is JSONL (one object per line) or CSV (a header row) with one execution 
   step s replays recorded step s mod (number of recorded steps); without it, every simulated step
   replays the whole trace.
 - `timed_out` (optional): true when the execution hit its timeout (reported only).
+- `trajectories` (optional, on every record or none): paths its tree kept after the role budget;
+  replaces the simulator's K = min(budget, 1 + floor(d / tau)) when given.
+- accepted and ignored (what a real run's RUN_DIR/trace.jsonl also writes, docs/scheduling.md):
+  `exec_id`, `calls`, `tokens`, `dropped`, `version`.
 Launch times are not replayed: the schedule decides them; only durations are.
 """
 
@@ -25,7 +29,8 @@ import numpy as np
 
 from gyre_ray.sim.workload import WorkloadError
 
-_FIELDS = ("start", "end", "task", "step", "timed_out")
+_FIELDS = ("start", "end", "task", "step", "timed_out", "trajectories")
+_ACCEPTED = ("execution", "id", "exec_id", "calls", "tokens", "dropped", "version")
 
 
 def _time_value(value: Any, field: str, where: str) -> float:
@@ -70,11 +75,12 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
     if not raw:
         raise WorkloadError(f"{path}: trace has no executions")
     records = [_trace_record(obj, where) for where, obj in raw]
-    with_step = sum(r["step"] is not None for r in records)
-    if 0 < with_step < len(records):
-        raise WorkloadError(
-            f"{path}: field 'step' is on {with_step} of {len(records)} records; give it on all or none"
-        )
+    for field in ("step", "trajectories"):
+        present = sum(r[field] is not None for r in records)
+        if 0 < present < len(records):
+            raise WorkloadError(
+                f"{path}: field {field!r} is on {present} of {len(records)} records; give it on all or none"
+            )
     return records
 
 
@@ -107,7 +113,7 @@ def _raw_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
 def _trace_record(obj: dict[str, Any], where: str) -> dict[str, Any]:
     """One validated record `{"duration_s", "task", "step", "timed_out"}`."""
-    unknown = sorted(set(obj) - set(_FIELDS) - {"execution", "id"})
+    unknown = sorted(set(obj) - set(_FIELDS) - set(_ACCEPTED))
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_FIELDS)}")
     for field in ("start", "end"):
@@ -123,8 +129,23 @@ def _trace_record(obj: dict[str, Any], where: str) -> dict[str, Any]:
             step = int(step)
         except (TypeError, ValueError):
             raise WorkloadError(f"{where}: field 'step' must be an integer, got {step!r}") from None
+    trajectories = obj.get("trajectories")
+    if trajectories is not None:
+        if isinstance(trajectories, bool) or not isinstance(trajectories, (int, str)):
+            raise WorkloadError(
+                f"{where}: field 'trajectories' must be an integer >= 0, got {trajectories!r}"
+            )
+        try:
+            trajectories = int(trajectories)
+        except ValueError:
+            raise WorkloadError(
+                f"{where}: field 'trajectories' must be an integer >= 0, got {trajectories!r}"
+            ) from None
+        if trajectories < 0:
+            raise WorkloadError(f"{where}: field 'trajectories' must be an integer >= 0, got {trajectories}")
     return {
         "duration_s": end - start,
+        "trajectories": trajectories,
         "task": None if obj.get("task") is None else str(obj["task"]),
         "step": step,
         "timed_out": _bool_value(obj.get("timed_out", False), where),
@@ -141,7 +162,10 @@ def _groups_of(records: list[dict[str, Any]], group_size: int) -> list[list[dict
 
 
 def replay_trace(path: Path, steps: int, group_size: int) -> tuple[np.ndarray, ...]:
-    """(duration_s, batch, group, timed_out) arrays for `steps` simulated steps replaying `path`."""
+    """(duration_s, batch, group, timed_out, trajectories) arrays for `steps` steps replaying `path`.
+
+    `trajectories` is -1 for every execution when the trace does not record it.
+    """
     records = read_trace(path)
     if records[0]["step"] is None:
         recorded_steps = [records]
@@ -151,7 +175,7 @@ def replay_trace(path: Path, steps: int, group_size: int) -> tuple[np.ndarray, .
             by_step.setdefault(r["step"], []).append(r)
         recorded_steps = [by_step[s] for s in sorted(by_step)]
     step_groups = [_groups_of(rs, group_size) for rs in recorded_steps]
-    durations, batches, groups, timed = [], [], [], []
+    durations, batches, groups, timed, kept = [], [], [], [], []
     group_id = 0
     for s in range(steps):
         for members in step_groups[s % len(step_groups)]:
@@ -160,10 +184,12 @@ def replay_trace(path: Path, steps: int, group_size: int) -> tuple[np.ndarray, .
                 batches.append(s)
                 groups.append(group_id)
                 timed.append(r["timed_out"])
+                kept.append(-1 if r["trajectories"] is None else r["trajectories"])
             group_id += 1
     return (
         np.asarray(durations, dtype=float),
         np.asarray(batches, dtype=np.int64),
         np.asarray(groups, dtype=np.int64),
         np.asarray(timed, dtype=bool),
+        np.asarray(kept, dtype=np.int64),
     )

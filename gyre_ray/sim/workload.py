@@ -151,9 +151,10 @@ def sample_workload(
         trace_path = Path(spec.trace)
         if base_dir is not None and not trace_path.is_absolute():
             trace_path = base_dir / trace_path
-        duration_s, batch, group, timed_out = replay_trace(trace_path, steps, spec.group_size)
+        duration_s, batch, group, timed_out, kept = replay_trace(trace_path, steps, spec.group_size)
     else:
         duration_s, batch, group, timed_out = _synthetic(spec, steps, rng)
+        kept = np.full(duration_s.size, -1, dtype=np.int64)
     n = duration_s.size
     if spec.demand_sigma > 0:
         s = spec.demand_sigma
@@ -168,7 +169,9 @@ def sample_workload(
         batch=batch,
         group=group,
         demand=demand,
-        trajectories=trajectories_for(duration_s, spec.trajectories),
+        trajectories=kept
+        if kept.size and kept.min() >= 0
+        else trajectories_for(duration_s, spec.trajectories),
         timed_out=timed_out,
     )
 

@@ -1,0 +1,207 @@
+"""Replay a real training run in the simulator: `gyre-ray simulate --trace RUN_DIR`.
+
+A run folder holds `trace.jsonl` (one execution per line: `start`, `end`, `task`, `step`,
+`timed_out`, and the runtime's extra keys) and `costs.json` (the run's measured costs; format in
+docs/scheduling.md). The replay keeps the run's durations per step, its group size, capacity and
+measured costs, and simulates its policy (or another one) to predict the makespan, which is shown
+next to the measured one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.sim.engine import SimCosts
+from gyre_ray.sim.workload import SampledWorkload, WorkloadError, sample_workload, spec_from_dict
+
+TRACE_FILE, COSTS_FILE = "trace.jsonl", "costs.json"
+_INT_KEYS = ("cells", "group_size", "executions_per_step", "steps", "staleness")
+_COST_KEYS = (
+    "capacity_per_cell",
+    "switch_to_train_s",
+    "switch_to_rollout_s",
+    "weight_sync_s",
+    "migration_pause_s",
+    "optimizer_step_s",
+    "grad_sync_s",
+    "micro_step_s",
+    "train_cell_s_per_trajectory",
+    "train_cell_s_per_execution",
+    "makespan_s",
+)
+_POLICIES = ("colocate", "async", "elastic")
+
+
+@dataclass(frozen=True)
+class RunCosts:
+    """The validated `costs.json` of a run."""
+
+    cells: int
+    group_size: int
+    executions_per_step: int
+    steps: int
+    policy: str
+    staleness: int
+    async_train_cells: int | None
+    capacity_per_cell: float
+    sim: SimCosts
+    train_cell_s_per_trajectory: float
+    train_cell_s_per_execution: float
+    makespan_s: float
+
+
+def read_costs(path: Path) -> RunCosts:
+    """Parse and check `costs.json`; every problem is a one-line `WorkloadError` naming the key."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise WorkloadError(f"{path} not found (a run folder needs {TRACE_FILE} and {COSTS_FILE})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{path}: must hold one JSON object")
+    missing = [k for k in (*_INT_KEYS, *_COST_KEYS, "policy") if k not in data]
+    if missing:
+        raise WorkloadError(f"{path}: missing key(s) {', '.join(missing)}")
+    ints = {k: _number(data[k], k, path, integer=True) for k in _INT_KEYS}
+    costs = {k: _number(data[k], k, path) for k in _COST_KEYS}
+    for key in ("cells", "group_size", "executions_per_step", "steps"):
+        if ints[key] < 1:
+            raise WorkloadError(f"{path}: {key!r} must be >= 1, got {ints[key]}")
+    if ints["executions_per_step"] % ints["group_size"]:
+        raise WorkloadError(
+            f"{path}: 'executions_per_step' ({ints['executions_per_step']}) is not a multiple of "
+            f"'group_size' ({ints['group_size']})"
+        )
+    if costs["capacity_per_cell"] <= 0 or costs["micro_step_s"] <= 0:
+        raise WorkloadError(f"{path}: 'capacity_per_cell' and 'micro_step_s' must be > 0")
+    if data["policy"] not in _POLICIES:
+        raise WorkloadError(f"{path}: 'policy' must be one of {', '.join(_POLICIES)}, got {data['policy']!r}")
+    split = data.get("async_train_cells")
+    split = None if split is None else _number(split, "async_train_cells", path, integer=True)
+    sim = SimCosts(
+        **{k: costs[k] for k in _COST_KEYS if k in SimCosts.__dataclass_fields__},
+    )
+    return RunCosts(
+        cells=ints["cells"],
+        group_size=ints["group_size"],
+        executions_per_step=ints["executions_per_step"],
+        steps=ints["steps"],
+        policy=data["policy"],
+        staleness=ints["staleness"],
+        async_train_cells=split or None,
+        capacity_per_cell=costs["capacity_per_cell"],
+        sim=sim,
+        train_cell_s_per_trajectory=costs["train_cell_s_per_trajectory"],
+        train_cell_s_per_execution=costs["train_cell_s_per_execution"],
+        makespan_s=costs["makespan_s"],
+    )
+
+
+def _number(value: Any, key: str, path: Path, integer: bool = False) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer and float(value) != int(value):
+        ok = False
+    if not ok or value < 0:
+        kind = "an integer >= 0" if integer else "a finite number >= 0"
+        raise WorkloadError(f"{path}: {key!r} must be {kind}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def run_workload(run_dir: Path, cells: int, costs: RunCosts) -> SampledWorkload:
+    """The run's recorded executions as a workload of `costs.steps` steps on `cells` cells.
+
+    Training work per kept trajectory is the measured cell-seconds on the run's own cells, turned
+    into cluster-seconds (the simulator's unit), so a replay on another cell count keeps the device
+    budget. Executions without a recorded `trajectories` count one.
+    """
+    trace = run_dir / TRACE_FILE
+    if not trace.is_file():
+        raise WorkloadError(f"{trace} not found (a run folder needs {TRACE_FILE} and {COSTS_FILE})")
+    per_trajectory = costs.train_cell_s_per_trajectory / costs.cells
+    spec = spec_from_dict(
+        {
+            "extends": "nl2repo",
+            "name": run_dir.name or "run",
+            "source": f"recorded run {run_dir}",
+            "trace": str(trace.resolve()),
+            "tasks_per_step": costs.executions_per_step // costs.group_size,
+            "group_size": costs.group_size,
+            "train_cluster_s_per_trajectory": max(per_trajectory, 1e-9),
+            "capacity_executions": costs.capacity_per_cell * costs.cells,
+            "trajectories": {"tau_hours": 1e9, "budget": 1},  # K = 1 where the trace has no count
+        },
+        str(trace),
+    )
+    wl = sample_workload(spec, costs.steps)
+    if cells != costs.cells and wl.capacity_per_cell(cells) < 1:
+        raise WorkloadError(f"{cells} cells leave under one execution of capacity per cell")
+    return wl
+
+
+def predict_run(
+    run_dir: Path,
+    cells: int | None = None,
+    staleness: int | None = None,
+    policies: list[str] | None = None,
+    async_train_cells: int | None = None,
+) -> dict[str, Any]:
+    """Simulate the recorded run (its cells, policy, staleness and split unless given) and compare.
+
+    Returns `{"run_dir", "cells", "steps", "staleness", "measured_makespan_s", "policies": {NAME:
+    {"predicted_makespan_s", "predicted_over_measured", "lower_bound_s", "switches", "knobs"}}}`;
+    the ratio is only given for the policy the run used at its own cell count and staleness.
+    """
+    from gyre_ray.sim.runner import simulate
+
+    costs = read_costs(run_dir / COSTS_FILE)
+    cells = costs.cells if cells is None else cells
+    staleness = costs.staleness if staleness is None else staleness
+    policies = policies or [costs.policy]
+    split = async_train_cells or costs.async_train_cells or max(1, cells // 2)
+    wl = run_workload(run_dir, cells, costs)
+    results = simulate(wl, policies, cells, staleness, costs.sim, tune=False, async_train_cells=split)
+    same_run = cells == costs.cells and staleness == costs.staleness
+    rows = {}
+    for name, result in results.items():
+        row = {
+            "predicted_makespan_s": round(result.makespan_s, 3),
+            "lower_bound_s": round(result.lower_bound_s, 3),
+            "switches": result.switches,
+            "knobs": result.knobs,
+        }
+        if same_run and name == costs.policy and costs.makespan_s > 0:
+            row["predicted_over_measured"] = round(result.makespan_s / costs.makespan_s, 4)
+        rows[name] = row
+    return {
+        "run_dir": str(run_dir),
+        "recorded_policy": costs.policy,
+        "cells": cells,
+        "steps": costs.steps,
+        "staleness": staleness,
+        "measured_makespan_s": costs.makespan_s,
+        "policies": rows,
+    }
+
+
+def format_prediction(report: dict[str, Any]) -> str:
+    """Plain-text lines of `predict_run`'s report."""
+    lines = [
+        f"run {report['run_dir']}: {report['recorded_policy']}, {report['steps']} steps, replayed on "
+        f"{report['cells']} cells at eta = {report['staleness']}; measured makespan "
+        f"{report['measured_makespan_s']:.1f} s",
+        f"{'policy':10s} {'predicted s':>12s} {'bound s':>10s} {'switches':>8s} {'predicted/measured':>19s}",
+    ]
+    for name, row in report["policies"].items():
+        ratio = row.get("predicted_over_measured")
+        lines.append(
+            f"{name:10s} {row['predicted_makespan_s']:12.1f} {row['lower_bound_s']:10.1f} {row['switches']:8d} "
+            f"{'' if ratio is None else f'{ratio:.3f}':>19s}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""`gyre-ray simulate --trace RUN_DIR`: a real run's trace and measured costs replayed (docs/scheduling.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.cli import main
+from gyre_ray.sim.replay import predict_run
+
+COSTS = {
+    "cells": 2,
+    "group_size": 2,
+    "executions_per_step": 4,
+    "steps": 3,
+    "policy": "colocate",
+    "staleness": 0,
+    "async_train_cells": None,
+    "capacity_per_cell": 2,
+    "switch_to_train_s": 1.5,
+    "switch_to_rollout_s": 0.5,
+    "weight_sync_s": 0.25,
+    "migration_pause_s": 0.25,
+    "optimizer_step_s": 2.0,
+    "grad_sync_s": 0.5,
+    "micro_step_s": 1.0,
+    "train_cell_s_per_trajectory": 3.0,
+    "train_cell_s_per_execution": 4.5,
+}
+# per step: executions (duration s, trajectories kept); tasks t0, t1 of two executions each
+STEPS = [
+    [(10, 1), (14, 2), (7, 1), (9, 2)],
+    [(20, 1), (5, 1), (6, 2), (6, 1)],
+    [(8, 1), (8, 1), (30, 3), (4, 1)],
+]
+
+
+def write_run(folder: Path, makespan_s: float, **changes) -> Path:
+    folder.mkdir()
+    lines, t = [], 0.0
+    for step, executions in enumerate(STEPS):
+        for i, (duration, kept) in enumerate(executions):
+            record = {
+                "exec_id": f"s{step}-e{i}",
+                "task": f"t{i // 2}",
+                "step": step,
+                "start": t,
+                "end": t + duration,
+                "timed_out": False,
+                "calls": 3,
+                "tokens": 1200,
+                "trajectories": kept,
+                "dropped": False,
+                "version": step,
+            }
+            lines.append(json.dumps(record))
+        t += 100.0
+    (folder / "trace.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "costs.json").write_text(json.dumps({**COSTS, "makespan_s": makespan_s, **changes}))
+    return folder
+
+
+def colocate_by_hand() -> float:
+    """Per step: last end, switch in, the kept trajectories' training on both cells, grad sync, optimizer."""
+    c = COSTS
+    total = 0.0
+    for step in STEPS:
+        work = sum(k for _, k in step) * c["train_cell_s_per_trajectory"] / c["cells"]
+        total += (
+            max(d for d, _ in step) + c["switch_to_train_s"] + work + c["grad_sync_s"] + c["optimizer_step_s"]
+        )
+    return total + (len(STEPS) - 1) * c["switch_to_rollout_s"]
+
+
+def test_replay_of_a_colocate_run_predicts_its_makespan_from_trace_and_costs(tmp_path: Path) -> None:
+    expected = colocate_by_hand()
+    run = write_run(tmp_path / "run", makespan_s=expected * 1.1)
+    report = predict_run(run)
+    row = report["policies"]["colocate"]
+    assert row["predicted_makespan_s"] == pytest.approx(expected, abs=1e-3)
+    assert row["predicted_over_measured"] == pytest.approx(1 / 1.1, rel=1e-3)
+    assert report["measured_makespan_s"] == pytest.approx(expected * 1.1)
+
+
+def test_replay_cli_prints_predicted_and_measured_and_takes_overrides(tmp_path: Path, capsys) -> None:
+    run = write_run(tmp_path / "run", makespan_s=200.0, policy="async", async_train_cells=1, staleness=1)
+    assert main(["simulate", "--trace", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "measured makespan 200.0 s" in out and "async" in out and "predicted/measured" in out
+    assert main(["simulate", "--trace", str(run), "--json", "--policies", "async,elastic"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["policies"]) == {"async", "elastic"}
+    assert report["policies"]["async"]["switches"] == 0
+    assert report["policies"]["async"]["knobs"] == {"train_cells": 1}
+    ratio = report["policies"]["async"]["predicted_over_measured"]
+    assert ratio == pytest.approx(report["policies"]["async"]["predicted_makespan_s"] / 200.0, rel=1e-3)
+    assert "predicted_over_measured" not in report["policies"]["elastic"]  # not the policy that ran
+    assert main(["simulate", "--trace", str(run), "--json", "--staleness", "0"]) == 0
+    assert "predicted_over_measured" not in json.loads(capsys.readouterr().out)["policies"]["async"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"cells": 0}, "'cells' must be >= 1"),
+        ({"policy": "fifo"}, "'policy' must be one of"),
+        ({"optimizer_step_s": "fast"}, "'optimizer_step_s' must be a finite number"),
+        ({"executions_per_step": 5}, "not a multiple of 'group_size'"),
+    ],
+)
+def test_bad_costs_fail_in_one_line_naming_the_key(
+    tmp_path: Path, capsys, change: dict, message: str
+) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0, **change)
+    assert main(["simulate", "--trace", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_run_files_are_named(tmp_path: Path, capsys) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0)
+    (run / "costs.json").unlink()
+    assert main(["simulate", "--trace", str(run)]) == 2
+    assert "costs.json not found" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path / "nowhere")]) == 2
+    assert "not a folder" in capsys.readouterr().err
