@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gyre_ray.model import qwen3
+from gyre_ray.model import attention
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.kv_cache import KVCache
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
@@ -62,7 +62,7 @@ def test_chunked_attention_equals_single_chunk(model, monkeypatch):
     cache = KVCache()
     model(tokens[:, :10], kv_cache=cache)
     reference_append = model(tokens[:, 10:], kv_cache=cache)
-    monkeypatch.setattr(qwen3, "MAX_SCORES_PER_CHUNK", 4 * 30 * 3)  # 3 query rows per chunk
+    monkeypatch.setattr(attention, "MAX_SCORES_PER_CHUNK", 4 * 30 * 3)  # 3 query rows per chunk
     assert max_diff(model(tokens, attention_mask=mask), reference) <= TOL
     cache = KVCache()
     model(tokens[:, :10], kv_cache=cache)
@@ -215,7 +215,7 @@ def test_unmasked_prefill_never_builds_a_token_by_token_mask(model, monkeypatch)
     model(ids(64, seed=3), kv_cache=cache)  # fresh prefill: the fused causal kernel, no mask
     assert calls and all(mask is None and causal for mask, causal, _, _ in calls)
     calls.clear()
-    monkeypatch.setattr(qwen3, "MAX_SCORES_PER_CHUNK", 4 * 80 * 4)  # 4 query rows per chunk
+    monkeypatch.setattr(attention, "MAX_SCORES_PER_CHUNK", 4 * 80 * 4)  # 4 query rows per chunk
     model(ids(16, seed=4), kv_cache=cache)  # append after a past: bounded per-chunk masks
     assert all(mask.numel() <= 4 * 80 for mask, _, _, _ in calls)
     assert sum(t for _, _, t, _ in calls) == 16 * model.args.num_hidden_layers

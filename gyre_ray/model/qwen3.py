@@ -4,7 +4,8 @@ RMSNorm, rotary position embeddings, grouped-query attention with per-head q/k R
 tied or untied embeddings. `forward` takes explicit position ids, an arbitrary boolean attention
 mask (tree / packed / padded rows) and a `KVCache` it appends to. With no mask, attention is causal
 over cache + new tokens and never materialises a T x S mask for a fresh prefill, so a long
-single-sequence prefill stays within memory; other cases attend in query chunks of bounded size.
+single-sequence prefill stays within memory; a mask or a past turns into one `AttentionPlan`
+(`gyre_ray.model.attention`) per forward: query blocks of bounded size that skip invisible keys.
 """
 
 from __future__ import annotations
@@ -14,11 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gyre_ray.model.arch import ModelArgs
+from gyre_ray.model.attention import AttentionPlan, attend, plan_attention, plan_causal
 from gyre_ray.model.kv_cache import KVCache
-
-# Upper bound on attention scores (batch x heads x query-chunk x keys) materialised at once.
-MAX_SCORES_PER_CHUNK = 1 << 25
-_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa
 
 
 class RMSNorm(nn.Module):
@@ -62,44 +60,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, past_len: int
-) -> torch.Tensor:
-    """Scaled dot-product attention of q (B, Hq, T, D) over k, v (B, Hkv, S, D).
-
-    mask: (B, T, S) bool, True = may attend, or None = causal with the T queries at the end of S.
-    Query rows whose mask is all False (padding) return zeros instead of NaN.
-    """
-    batch, heads, t, _ = q.shape
-    s = k.size(2)
-    if not _SDPA_HAS_GQA and k.size(1) != heads:
-        k = k.repeat_interleave(heads // k.size(1), dim=1)
-        v = v.repeat_interleave(heads // v.size(1), dim=1)
-    gqa = {"enable_gqa": k.size(1) != heads} if _SDPA_HAS_GQA else {}
-    if mask is None and past_len == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, **gqa)
-    if mask is None and t == 1:
-        return F.scaled_dot_product_attention(q, k, v, **gqa)
-    chunk = max(1, MAX_SCORES_PER_CHUNK // (batch * heads * s))
-    outputs = []
-    for start in range(0, t, chunk):
-        stop = min(t, start + chunk)
-        if mask is None:
-            rows = torch.arange(past_len + start, past_len + stop, device=q.device)
-            allowed = (torch.arange(s, device=q.device) <= rows[:, None])[None, None]
-            outputs.append(
-                F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=allowed, **gqa)
-            )
-            continue
-        allowed = mask[:, start:stop]
-        dead = ~allowed.any(-1, keepdim=True)  # (B, C, 1): rows with nothing to attend to
-        out = F.scaled_dot_product_attention(
-            q[:, :, start:stop], k, v, attn_mask=(allowed | dead).unsqueeze(1), **gqa
-        )
-        outputs.append(out.masked_fill(dead.unsqueeze(1), 0.0))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-
-
 class Qwen3Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -119,7 +79,7 @@ class Qwen3Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | AttentionPlan | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         batch, t, _ = x.shape
@@ -159,7 +119,7 @@ class Qwen3DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | AttentionPlan | None,
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, kv_cache)
@@ -225,11 +185,23 @@ class Qwen3ForCausalLM(nn.Module):
                 )
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary(position_ids, x.dtype)
+        mask = self._attention_plan(attention_mask, batch, t, past_len, x.device)
         for layer in self.model.layers:
-            x = layer(x, rope, attention_mask, kv_cache)
+            x = layer(x, rope, mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)
         return self.model.norm(x)
+
+    def _attention_plan(
+        self, mask: torch.Tensor | None, batch: int, t: int, past_len: int, device: torch.device
+    ) -> torch.Tensor | AttentionPlan | None:
+        """The mask as an `AttentionPlan` shared by every layer, where it has blocks to skip."""
+        if t == 1 or (mask is None and past_len == 0):
+            return mask  # one decode step, or a fresh causal prefill: one fused kernel call
+        heads = self.args.num_attention_heads
+        if mask is None:
+            return plan_causal(t, past_len, device, batch, heads)
+        return plan_attention(mask, heads)
 
     def forward(
         self,

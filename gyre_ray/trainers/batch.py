@@ -5,11 +5,16 @@ A row holds tokens laid out once. Token j is predicted by the logits at column `
 packed prefix tree, -1 where the token has no predecessor (its log-probability is undefined and
 reported as 0). `attention_mask[b, i, k]` is True where column i may attend to column k; None
 means plain causal attention per row.
+
+`token_logprobs` reads them from full logits; `target_logprobs` computes them from the final
+hidden states and the LM head in chunks of tokens, never forming the whole (B, T, V) logits, their
+gathered copy or their log-softmax (what the trainer uses; same values and gradients).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,3 +62,87 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, parent_index: 
     )
     out = torch.gather(logp, -1, input_ids.unsqueeze(-1)).squeeze(-1)
     return torch.where(parent_index >= 0, out, torch.zeros_like(out))
+
+
+# Tokens per chunk of `target_logprobs`: bounds the (chunk, V) logits alive at once.
+LOGPROB_CHUNK_TOKENS = 1024
+# Keep each chunk's probabilities for the backward pass (no LM-head recompute) up to this many floats.
+KEEP_PROBS_ELEMENTS = 1 << 26
+
+
+class _ChunkedTargetLogprob(torch.autograd.Function):
+    """log softmax(h @ W^T)[target] per row of h (N, H), in chunks of rows; exact gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int):
+        keep = hidden.size(0) * weight.size(0) <= KEEP_PROBS_ELEMENTS
+        out = hidden.new_empty(hidden.size(0), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        probs = []
+        for start in range(0, hidden.size(0), chunk):
+            stop = min(hidden.size(0), start + chunk)
+            logits = (hidden[start:stop] @ weight.t()).to(out.dtype)
+            lse = torch.logsumexp(logits, -1)
+            out[start:stop] = logits.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
+            if keep:
+                probs.append(logits.sub_(lse[:, None]).exp_())
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk, ctx.probs, ctx.lse = chunk, probs, None if keep else out
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for index, start in enumerate(range(0, hidden.size(0), ctx.chunk)):
+            stop = min(hidden.size(0), start + ctx.chunk)
+            h = hidden[start:stop]
+            if ctx.probs:
+                probs = ctx.probs[index]
+            else:  # recompute: softmax = exp(logits - lse), lse = logits[target] - logprob
+                logits = (h @ weight.t()).to(grad_out.dtype)
+                lse = logits.gather(-1, targets[start:stop, None]) - ctx.lse[start:stop, None]
+                probs = logits.sub_(lse).exp_()
+            g = grad_out[start:stop, None]
+            grad_logits = probs.mul_(-g)  # d logprob / d logits = onehot(target) - softmax
+            grad_logits.scatter_add_(-1, targets[start:stop, None], g)
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h)
+        ctx.probs = None
+        return grad_hidden, grad_weight, None, None
+
+
+def target_logprobs(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    parent_index: torch.Tensor,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """`token_logprobs` from final hidden states (B, T, H) and the LM head weight (V, H), in chunks.
+
+    Only the predicting columns' hidden states are gathered (B x T x H, not x V); each chunk's
+    logits live only inside the chunk. Returns (B, T) float32 or higher, 0 where parent < 0.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    has_parent = parent_index >= 0
+    rows, cols = has_parent.nonzero(as_tuple=True)
+    predictors = hidden[rows, parent_index[rows, cols]]  # (N, H)
+    picked = _ChunkedTargetLogprob.apply(predictors, lm_head_weight, input_ids[rows, cols], chunk_tokens)
+    out = picked.new_zeros(input_ids.shape)
+    out[rows, cols] = picked
+    return out
+
+
+def model_logprobs(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
+    """Per-token log-probs (B, T) of `batch` under `model` (a gyre-ray Qwen3ForCausalLM or any model
+    returning logits); the chunked path where the model exposes `hidden_states` and `lm_head`."""
+    inputs = (batch.input_ids, batch.position_ids, batch.attention_mask)
+    if hasattr(model, "hidden_states") and hasattr(model, "lm_head"):
+        hidden = model.hidden_states(*inputs)
+        return target_logprobs(hidden, model.lm_head.weight, batch.input_ids, batch.parent_index)
+    return token_logprobs(model(*inputs), batch.input_ids, batch.parent_index)

@@ -1,6 +1,8 @@
 """The torch trainer: forward/backward on packed or tree micro-batches, summed gradients, AdamW.
 
-Runs wherever the model's parameters live (CPU by default). Gradients only ever add up, within a
+Runs wherever the model's parameters live (CPU by default). Tree-packed rows go through the
+block-sparse attention plan (`gyre_ray.model.attention`) and the chunked target log-probs
+(`trainers.batch.target_logprobs`), so neither the tree mask nor the vocabulary costs a dense pass. Gradients only ever add up, within a
 trainer (successive `forward_backward` calls) and across trainers (`export_grads` / `import_grads`);
 `optimizer_step(scale)` is the single place where they are scaled, then clipped, then applied.
 `save` writes an HF model folder plus `trainer_state.pt` (optimizer, step, version, RNG states), so
@@ -20,7 +22,7 @@ import torch
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import load_state_into, read_hf_weights, save_hf
 from gyre_ray.trainers.base import LossFn, Trainer
-from gyre_ray.trainers.batch import MicroBatch, token_logprobs
+from gyre_ray.trainers.batch import MicroBatch, model_logprobs
 from gyre_ray.trainers.config import TrainerSection
 
 STATE_FILE = "trainer_state.pt"
@@ -65,9 +67,7 @@ class TorchTrainer(Trainer):
     # ------------------------------------------------------------------ compute
     def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
         _check_batch(batch, self.args.vocab_size)
-        batch = batch.to(self.device)
-        logits = self.model(batch.input_ids, batch.position_ids, batch.attention_mask)
-        return token_logprobs(logits, batch.input_ids, batch.parent_index)
+        return model_logprobs(self.model, batch.to(self.device))
 
     def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
         self.model.train()
