@@ -222,8 +222,6 @@ def test_engine_logprobs_equal_the_trainers_recomputed_logprobs() -> None:
         assert float(engine_lp.min()) < -0.5  # sampled / real tokens, not all near-certain
 
 
-def test_factory_builds_torch_and_explains_megatron() -> None:
+def test_factory_builds_torch() -> None:  # the megatron backend: tests/test_megatron_trainer.py
     t = make_trainer(SECTION, make_model(), ARGS, sum_loss, version=4)
     assert isinstance(t, TorchTrainer) and t.version == 4
-    with pytest.raises(NotImplementedError, match="Megatron-core adapter is not available"):
-        make_trainer(TrainerSection(backend="megatron"), make_model(), ARGS, sum_loss)

@@ -18,3 +18,14 @@ class TrainerSection(Section):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables it.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Megatron backend: tensor-parallel ranks per trainer replica (gloo on CPU, NCCL on GPU); "
+        "must divide heads, KV heads, intermediate size and vocabulary.",
+    )
+    megatron_spec: Literal["auto", "local", "te"] = Field(
+        "auto",
+        description="Megatron backend layer spec: local (Megatron's own modules, runs on CPU), te "
+        "(Transformer Engine), auto (te where it is installed and CUDA is present).",
+    )

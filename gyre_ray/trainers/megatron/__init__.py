@@ -1,0 +1,40 @@
+"""The Megatron-core trainer backend (`trainer.backend=megatron`).
+
+`make_megatron_trainer` returns a `Trainer`: `MegatronTrainer` in this process for tensor parallel 1,
+`TensorParallelTrainer` (one spawned process per rank, gloo or NCCL between them) for more. Modules:
+`convert` (HF <-> Megatron names and tensor-parallel shards, pure tensors), `build` (process groups,
+`GPTModel` from `ModelArgs`), `cpu_shims` (the two CPU shims), `trainer`, `tensor_parallel`.
+Imports are lazy: megatron-core loads only when a Megatron trainer is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from gyre_ray.model.arch import ModelArgs
+    from gyre_ray.trainers.base import LossFn, Trainer
+    from gyre_ray.trainers.config import TrainerSection
+
+
+def make_megatron_trainer(
+    section: TrainerSection,
+    hf_state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    loss_fn: LossFn,
+    *,
+    version: int = 0,
+) -> Trainer:
+    """A Megatron trainer over HF-named weights `hf_state` with `section.tensor_parallel_size` ranks."""
+    from gyre_ray.trainers.megatron.build import check_divisible
+
+    check_divisible(args, section.tensor_parallel_size)
+    if section.tensor_parallel_size == 1:
+        from gyre_ray.trainers.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(hf_state, args, section, loss_fn, version=version)
+    from gyre_ray.trainers.megatron.tensor_parallel import TensorParallelTrainer
+
+    return TensorParallelTrainer(hf_state, args, section, loss_fn, version=version)

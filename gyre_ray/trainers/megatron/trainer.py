@@ -1,0 +1,345 @@
+"""`MegatronTrainer`: the `Trainer` interface over a Megatron-core `GPTModel` (one tensor-parallel rank).
+
+Weights come in and go out under HF Qwen3 names (`convert.py`), so the trainer loads the same HF
+folder as the torch trainer and engines, and `state_dict` / `export_grads` / `import_grads` speak the
+same names as the torch trainer's: a cell holds either one behind one interface.
+
+Forward on a tree-packed `MicroBatch`: Megatron's embedding, then its decoder with
+
+- RoPE from the batch's explicit `position_ids` (a branch of a packed tree restarts at its branch
+  point's depth): per-token frequencies `[T, B, 1, head_dim]` built from the model's own
+  `inv_freq`, which Megatron's un-fused RoPE broadcasts over heads;
+- the tree attention mask as an explicit `[B, 1, T, T]` mask (Megatron's convention: True = masked
+  out) through the local spec's `DotProductAttention`. On GPU the Transformer Engine spec takes the
+  same explicit mask (TE's "arbitrary" mask type, un-fused); packed THD kernels cannot express a
+  tree, so they are not used.
+
+Logits are vocab-sharded under tensor parallelism; `gather_from_tensor_model_parallel_region` joins
+them (its backward splits the gradient again) and `gyre_ray.trainers.batch.token_logprobs` reads
+log-probs per the contract there, so the loss is the very `gyre_ray.algo` loss the torch trainer uses.
+
+Gradients: summed across calls. Megatron sums q/k-norm gradients over the tensor-parallel group in
+`finalize_model_grads` (those norms see only this rank's heads); without its DDP wrapper this trainer
+does the same after each backward. Norms of sharded gradients are all-reduced for clipping, so every
+rank clips and steps alike. Optimizer: torch AdamW per rank (Megatron's optimizer does not run on
+CPU); on GPU the same code runs, Megatron's distributed optimizer is not wired yet.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gyre_ray.model.arch import ModelArgs
+from gyre_ray.model.checkpoint import read_hf_weights
+from gyre_ray.trainers.base import LossFn, Trainer
+from gyre_ray.trainers.batch import MicroBatch, token_logprobs
+from gyre_ray.trainers.config import TrainerSection
+from gyre_ray.trainers.megatron import build
+from gyre_ray.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, merge_shards, shard, split_rule
+
+STATE_FILE = "trainer_state_tp{rank}.pt"
+
+
+class MegatronInputError(ValueError):
+    """A micro-batch, weight or gradient dict that does not fit the model (the message names the field)."""
+
+
+class MegatronTrainer(Trainer):
+    """One tensor-parallel rank in this process; with tensor_parallel_size 1 it is the whole trainer.
+
+    With tensor parallel > 1 every rank's process constructs one and makes the same calls in the
+    same order (collectives inside); `TensorParallelTrainer` drives them.
+    """
+
+    def __init__(
+        self,
+        hf_state: dict[str, torch.Tensor],
+        args: ModelArgs,
+        section: TrainerSection,
+        loss_fn: LossFn,
+        *,
+        version: int = 0,
+        rank: int = 0,
+        store: dist.Store | None = None,
+    ) -> None:
+        from megatron.core import parallel_state
+
+        tp = section.tensor_parallel_size
+        build.init_parallel(tp, rank=rank, world_size=tp, store=store)
+        self.args, self.section, self.loss_fn = args, section, loss_fn
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.spec = build.resolve_spec(section.megatron_spec)
+        dtype = next(iter(hf_state.values())).dtype
+        if dtype not in build.DTYPES.values():
+            raise MegatronInputError(
+                f"Megatron trainer: unsupported weight dtype {dtype}; use float32 or bfloat16"
+            )
+        self.model = build.build_gpt_model(args, self.spec, dtype)
+        self.params = dict(self.model.named_parameters())
+        self._hf_shapes = {k: tuple(v.shape) for k, v in self._untied(hf_state).items()}
+        self._load_hf(hf_state)
+        self.optimizer = torch.optim.AdamW(
+            self.params.values(),
+            lr=section.lr,
+            betas=tuple(section.betas),
+            eps=section.eps,
+            weight_decay=section.weight_decay,
+        )
+        self.version, self.step, self.accumulated_batches = version, 0, 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
+    # ------------------------------------------------------------------ compute
+    def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        _check_batch(batch, self.args.vocab_size)
+        batch = batch.to(self.device)
+        ids, t = batch.input_ids, batch.input_ids.size(1)
+        if batch.attention_mask is None:
+            allowed = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]
+        else:
+            allowed = batch.attention_mask
+        hidden = self.model.embedding(input_ids=ids, position_ids=batch.position_ids)  # [T, B, H]
+        hidden = self.model.decoder(
+            hidden_states=hidden,
+            attention_mask=~allowed[:, None],  # Megatron: True = masked out
+            rotary_pos_emb=self._rotary(batch.position_ids),
+        )
+        weight = self.model.shared_embedding_or_output_weight() if self.args.tie_word_embeddings else None
+        logits, _ = self.model.output_layer(hidden, weight=weight)  # [T, B, V / tp]
+        logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
+        return token_logprobs(logits, ids, batch.parent_index)
+
+    def _rotary(self, position_ids: torch.Tensor) -> torch.Tensor:
+        inv_freq = self.model.rotary_pos_emb.inv_freq.to(position_ids.device)
+        freqs = position_ids.t().float().unsqueeze(-1) * inv_freq  # [T, B, D/2]
+        return torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [T, B, 1, D]
+
+    def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
+        self.model.train()
+        logprobs = self._logprobs(batch)
+        loss, metrics = self.loss_fn(logprobs, batch.to(self.device))
+        if loss.dim() != 0:
+            raise MegatronInputError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
+        held = self._take_partial_grads()
+        loss.backward()
+        self._reduce_partial_grads(held)
+        self.accumulated_batches += 1
+        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        self.model.eval()
+        return self._logprobs(batch).cpu()
+
+    # q/k norms are replicated but each rank's backward sees only its own heads: sum over the group.
+    def _partial_names(self) -> list[str]:
+        if self.tp_size == 1:
+            return []
+        return [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+
+    def _take_partial_grads(self) -> dict[str, torch.Tensor | None]:
+        held = {}
+        for name in self._partial_names():
+            held[name], self.params[name].grad = self.params[name].grad, None
+        return held
+
+    def _reduce_partial_grads(self, held: dict[str, torch.Tensor | None]) -> None:
+        for name, before in held.items():
+            param = self.params[name]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self.tp_group)
+            if before is not None:
+                param.grad.add_(before)
+
+    # ------------------------------------------------------------------ gradients
+    def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full Megatron tensors from this rank's shards (a collective when tensor parallel > 1)."""
+        if self.tp_size == 1:
+            return local
+        per_rank: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+        for name, tensor in local.items():
+            if split_rule(name) is None:
+                parts = [tensor] * self.tp_size
+            else:
+                parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+                dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+            for rank, part in enumerate(parts):
+                per_rank[rank][name] = part
+        return merge_shards(per_rank)
+
+    def _to_hf(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hf = megatron_to_hf(self._full(local), self.args, self.spec)
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in hf.items()}
+
+    def _from_hf(self, hf: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+        hf = self._untied(hf)
+        missing, unknown = sorted(set(self._hf_shapes) - set(hf)), sorted(set(hf) - set(self._hf_shapes))
+        if unknown:
+            raise MegatronInputError(f"{what}: no parameter named {unknown[:5]} in this model")
+        if missing:
+            raise MegatronInputError(f"{what}: needs every parameter; missing {missing[:5]}")
+        wrong = [
+            f"{k}: {tuple(v.shape)} != {self._hf_shapes[k]}"
+            for k, v in hf.items()
+            if tuple(v.shape) != self._hf_shapes[k]
+        ]
+        if wrong:
+            raise MegatronInputError(f"{what}: shapes differ from the model: {wrong[:5]}")
+        return shard(hf_to_megatron(hf, self.args, self.spec), self.tp_size, self.tp_rank)
+
+    def _untied(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`hf` without `lm_head.weight` when embeddings are tied (it is the embedding itself)."""
+        return {k: v for k, v in hf.items() if not (self.args.tie_word_embeddings and k == "lm_head.weight")}
+
+    def export_grads(self) -> dict[str, torch.Tensor]:
+        return self._to_hf(
+            {n: torch.zeros_like(p) if p.grad is None else p.grad for n, p in self.params.items()}
+        )
+
+    @torch.no_grad()
+    def import_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        for name, grad in self._from_hf(grads, "import_grads").items():
+            param = self.params[name]
+            grad = grad.to(device=param.device, dtype=param.dtype)
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.add_(grad)
+
+    def zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated_batches = 0
+
+    @torch.no_grad()
+    def _grad_norm(self) -> float:
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for name, p in self.params.items():
+            if p.grad is not None:
+                sq = p.grad.double().pow(2).sum().cpu()
+                if split_rule(name) is None:
+                    replicated += sq
+                else:
+                    sharded += sq
+        if self.tp_size > 1:
+            sharded = sharded.to(self.device)
+            dist.all_reduce(sharded, group=self.tp_group)
+        return math.sqrt(float(sharded) + float(replicated))
+
+    def optimizer_step(self, scale: float) -> dict[str, float]:
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise MegatronInputError(f"optimizer_step scale must be a finite number, got {scale!r}")
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(scale)
+            grad_norm = self._grad_norm()
+            max_norm = self.section.grad_clip if self.section.grad_clip > 0 else math.inf
+            coef = min(1.0, max_norm / (grad_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            if math.isfinite(grad_norm) and coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        metrics = {"grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], "skipped": 0.0}
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.step += 1
+            self.version += 1
+        else:  # never apply NaN / inf: drop this step's gradients instead
+            metrics["skipped"] = 1.0
+        self.zero_grads()
+        metrics.update(step=float(self.step), version=float(self.version))
+        return metrics
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    @torch.no_grad()
+    def _load_hf(self, hf: dict[str, torch.Tensor]) -> None:
+        local = self._from_hf(hf, "weights")
+        if set(local) != set(self.params):
+            raise MegatronInputError(
+                f"converted weights do not cover the Megatron model: {sorted(set(self.params) ^ set(local))[:5]}"
+            )
+        for name, tensor in local.items():
+            self.params[name].copy_(tensor.to(self.params[name].dtype))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._to_hf({n: p.detach() for n, p in self.params.items()})
+
+    def megatron_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's weights under Megatron names (for converters and tests)."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.params.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self._load_hf(state)
+        self.version = version
+
+    def save(self, folder: str | Path) -> Path:
+        from gyre_ray.model.checkpoint import load_state_into, save_hf
+        from gyre_ray.model.qwen3 import Qwen3ForCausalLM
+
+        folder = Path(folder)
+        weights = self.state_dict()  # every rank takes part in the gather
+        if self.tp_rank == 0:
+            with torch.device("meta"):
+                model = Qwen3ForCausalLM(self.args)
+            load_state_into(model, weights, assign=True)
+            save_hf(model, self.args, folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "version": self.version,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+        torch.save(state, folder / STATE_FILE.format(rank=self.tp_rank))
+        return folder
+
+    def load(self, folder: str | Path) -> None:
+        path = Path(folder) / STATE_FILE.format(rank=self.tp_rank)
+        if not path.is_file():
+            raise FileNotFoundError(f"no {path.name} in {folder}: not a Megatron trainer checkpoint")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.load_state_dict(read_hf_weights(folder), version=int(state["version"]))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        self.zero_grads()
+
+    def metadata(self) -> dict[str, Any]:
+        return {**super().metadata(), "backend": "megatron", "tensor_parallel_size": self.tp_size}
+
+
+def _check_batch(batch: MicroBatch, vocab_size: int) -> None:
+    ids = batch.input_ids
+    if ids.dim() != 2:
+        raise MegatronInputError(f"input_ids must be (batch, tokens), got shape {tuple(ids.shape)}")
+    for name in ("position_ids", "parent_index"):
+        if tuple(getattr(batch, name).shape) != tuple(ids.shape):
+            raise MegatronInputError(
+                f"{name} shape {tuple(getattr(batch, name).shape)} != input_ids {tuple(ids.shape)}"
+            )
+    mask = batch.attention_mask
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (*ids.shape, ids.size(1))):
+        raise MegatronInputError(
+            f"attention_mask must be bool (batch, tokens, tokens), got {mask.dtype} {tuple(mask.shape)}"
+        )
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise MegatronInputError(f"input_ids hold ids outside the vocabulary [0, {vocab_size})")
+    if bool((batch.parent_index >= torch.arange(ids.size(1))).any()):
+        raise MegatronInputError(
+            "parent_index[b, j] must be < j (a token is predicted from an earlier column)"
+        )

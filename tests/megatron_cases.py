@@ -1,0 +1,113 @@
+"""Shared cases for the Megatron trainer tests: HF Qwen3 folders (tied / untied, GQA, head_dim !=
+hidden / heads), a tree-packed on-policy GSPO micro-batch from synthetic agent records, and the
+comparisons. Under CI megatron-core must be installed (`make install` does it): no skipping there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_ray.algo.config import AlgoSection
+from gyre_ray.algo.gspo import make_tree_gspo_loss
+from gyre_ray.model.arch import ModelArgs
+from gyre_ray.model.checkpoint import save_hf
+from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
+from gyre_ray.trainers.base import Trainer
+from gyre_ray.trainers.batch import MicroBatch
+from gyre_ray.trajectory.config import TrajectorySection
+from gyre_ray.trajectory.pipeline import build_training_batches
+from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_executions
+
+VOCAB = 256
+
+
+def require_megatron() -> None:
+    """Skip without megatron-core, except under CI, where its absence is a failure."""
+    if os.environ.get("CI"):
+        import megatron.core  # noqa: F401
+    else:
+        pytest.importorskip("megatron.core")
+
+
+def model_args(tied: bool) -> ModelArgs:
+    """GQA (4 query / 2 KV heads), head_dim 16 != 48 / 4, a non-default RoPE base when untied."""
+    return ModelArgs(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_theta=1_000_000.0 if tied else 10_000.0,
+        tie_word_embeddings=tied,
+        eos_token_id=0,
+    )
+
+
+def hf_folder(tmp: Path, tied: bool, seed: int = 0) -> Path:
+    """A saved HF Qwen3 folder with seeded random weights (wide init, so log-probs are far from uniform)."""
+    args = model_args(tied)
+    return save_hf(
+        init_weights(Qwen3ForCausalLM(args), seed, std=0.2), args, tmp / f"hf-{'tied' if tied else 'untied'}"
+    )
+
+
+def gspo_loss():
+    return make_tree_gspo_loss(AlgoSection())
+
+
+def packed_batches(reference: Trainer, seed: int = 0) -> list[MicroBatch]:
+    """Tree-packed micro-batches of three executions (retries, sub-agents, compaction), made on-policy:
+    behaviour log-probs are `reference`'s, so the GSPO ratio is 1 and every path carries gradient."""
+    workload = SyntheticWorkload(
+        system_tokens=12, task_tokens=6, subagent_system_tokens=6, segments=(1, 2), turns=(2, 3),
+        output_tokens=(3, 6), tool_tokens=(3, 6), summary_tokens=4, instruction_tokens=2,
+        max_subagents=2, subagent_turns=(1, 2), retry_prob=0.5, vocab_size=VOCAB,
+    )  # fmt: skip
+    records = synthetic_executions(3, seed=seed, workload=workload)
+    rewards = {name: float(i) for i, name in enumerate(records)}
+    groups = dict.fromkeys(records, "g")
+    batches = build_training_batches(records, rewards, groups, TrajectorySection(), vocab_size=VOCAB)
+    for batch in batches:
+        mask = batch.tensors["loss_mask"]
+        current = reference.compute_logprobs(batch)
+        batch.tensors["old_logprobs"] = torch.where(mask, current, torch.zeros_like(current))
+    return batches
+
+
+def is_tree(batch: MicroBatch) -> bool:
+    """True when some token's predecessor is not the column before it (a branch in a packed tree)."""
+    columns = torch.arange(batch.input_ids.size(1))
+    live = batch.parent_index >= 0
+    return bool((batch.parent_index[live] != (columns.expand_as(batch.parent_index) - 1)[live]).any())
+
+
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest |a - b| / max|a| over tensors (same names required)."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)) for k in a)
+
+
+def update_relative_error(
+    before: dict, after_a: dict, after_b: dict, grads: dict, min_grad: float
+) -> tuple[float, float]:
+    """(largest |delta_a - delta_b| / max|delta_a| over weights whose gradient exceeds `min_grad`,
+    share of weights that do).
+
+    AdamW's first step is ~lr * g / (|g| + eps): where |g| sits at float32 rounding level (~1e-9,
+    near eps) the step's size is noise in any implementation, so those elements are left out.
+    """
+    worst, scale, live_count, total = 0.0, 0.0, 0, 0
+    for k in before:
+        da, db = after_a[k] - before[k], after_b[k] - before[k]
+        live = grads[k].abs() > min_grad
+        live_count, total = live_count + int(live.sum()), total + live.numel()
+        scale = max(scale, float(da.abs().max()))
+        if bool(live.any()):
+            worst = max(worst, float((da - db).abs()[live].max()))
+    return worst / scale, live_count / total
