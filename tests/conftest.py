@@ -5,7 +5,10 @@ A module that needs another model defines its own `model` fixture, which takes p
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,3 +38,12 @@ def new_engine() -> Iterator[Callable[..., TorchEngine]]:
     yield make
     for engine in made:
         engine.shutdown()
+
+
+@pytest.fixture
+def exec_tmp() -> Iterator[Path]:
+    """A folder for sandboxed executions, outside pytest's basetemp: each pytest session run as root
+    closes `/tmp/pytest-of-root` to its owner again, which would lock sandbox users out mid-test."""
+    path = Path(tempfile.mkdtemp(prefix="gyre-exec-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -18,16 +18,16 @@ def _py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def test_harness_sees_proxy_urls_key_and_task(tmp_path: Path) -> None:
+def test_harness_sees_proxy_urls_key_and_task(exec_tmp: Path) -> None:
     code = (
         "import os, json; json.dump({k: os.environ[k] for k in "
         "['OPENAI_BASE_URL','OPENAI_API_KEY','ANTHROPIC_BASE_URL','GYRE_TASK_PROMPT']}, open('env.json','w'))"
     )
     task = Task("t", "do it", evaluate=lambda ws: EvalResult(1.0))
-    out = run_execution("e1", task, ENDPOINT, tmp_path / "ws", command=_py(code), timeout_s=30)
+    out = run_execution("e1", task, ENDPOINT, exec_tmp / "ws", command=_py(code), timeout_s=30)
     import json
 
-    env = json.loads((tmp_path / "ws" / "env.json").read_text())
+    env = json.loads((exec_tmp / "ws" / "env.json").read_text())
     assert env == {
         "OPENAI_BASE_URL": "http://127.0.0.1:9/v1",
         "OPENAI_API_KEY": "gyre-test-key",
@@ -37,31 +37,34 @@ def test_harness_sees_proxy_urls_key_and_task(tmp_path: Path) -> None:
     assert out.exit_code == 0 and not out.timed_out and out.reward == 1.0 and out.valid
 
 
-def test_timeout_ends_the_harness_and_still_scores_the_workspace(tmp_path: Path) -> None:
+def test_timeout_ends_the_harness_and_still_scores_the_workspace(exec_tmp: Path) -> None:
     # Writes half of the target characters, then hangs (with a child process) past the timeout.
     code = (
         "import subprocess, sys, time; open('answer.txt','w').write('aexx'); "
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
     )
     task = Task("vowels", "x", evaluate=char_coverage_evaluator("aeiu"))
-    out = run_execution("e2", task, ENDPOINT, tmp_path / "ws", command=_py(code), timeout_s=2)
+    out = run_execution("e2", task, ENDPOINT, exec_tmp / "ws", command=_py(code), timeout_s=2)
     assert out.timed_out and out.exit_code is None
     assert out.reward == pytest.approx(0.5 * 2 / 4 + 0.5 * 2 / 4)  # coverage 2/4, density 2/4
     assert out.valid and out.detail.startswith("timed out")
     assert out.duration_s < 20
 
 
-def test_evaluator_crash_marks_the_execution_invalid(tmp_path: Path) -> None:
+def test_evaluator_crash_marks_the_execution_invalid(exec_tmp: Path) -> None:
     def broken(ws: Path) -> EvalResult:
         raise RuntimeError("judge unavailable")
 
     task = Task("t", "x", evaluate=broken)
-    out = run_execution("e3", task, ENDPOINT, tmp_path / "ws", command=_py("pass"), timeout_s=30)
-    assert not out.valid and "judge unavailable" in out.detail
+    out = run_execution(
+        "e3", task, ENDPOINT, exec_tmp / "ws", command=_py("pass"), timeout_s=30, eval_budget_s=1.5
+    )
+    assert not out.valid and "judge unavailable" in out.detail and "evaluator tries" in out.detail
+    assert "judge unavailable" in out.reason
 
 
-def test_seed_files_cannot_escape_the_workspace(tmp_path: Path) -> None:
+def test_seed_files_cannot_escape_the_workspace(exec_tmp: Path) -> None:
     task = Task("t", "x", evaluate=lambda ws: EvalResult(0.0), files={"../evil.txt": "x"})
     with pytest.raises(ValueError, match="escapes the workspace"):
-        task.seed_workspace(tmp_path / "ws")
-    assert not (tmp_path / "evil.txt").exists()
+        task.seed_workspace(exec_tmp / "ws")
+    assert not (exec_tmp / "evil.txt").exists()

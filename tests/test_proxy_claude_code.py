@@ -11,28 +11,21 @@ Claude Code really sends.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
 import subprocess
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from served_proxy import CODEC, ServedProxy
 
 from gyre_ray.cells.factories import PolicyEngineFactory, ScriptedEngineFactory
-from gyre_ray.model.config import ModelSection
 from gyre_ray.proxy.anthropic_schema import MessagesRequest
-from gyre_ray.proxy.codec import ChatCodec
 from gyre_ray.proxy.config import ProxySection
-from gyre_ray.proxy.launch import free_port
-from gyre_ray.proxy.local import build_local_proxy
 
 REPO = Path(__file__).resolve().parents[1]
-INSTALL_HINT = "npm install --prefix .cache/claude @anthropic-ai/claude-code"
-CODEC = ChatCodec.for_model(ModelSection())
+INSTALL_HINT = "make install-harnesses"
 
 
 def find_claude() -> str | None:
@@ -45,39 +38,6 @@ def find_claude() -> str | None:
 
 CLAUDE = find_claude()
 pytestmark = pytest.mark.skipif(CLAUDE is None, reason=f"Claude Code is not installed; run: {INSTALL_HINT}")
-
-
-class ServedProxy:
-    """A LocalProxy under uvicorn in a background thread; keeps the /v1/messages bodies it received."""
-
-    def __init__(self, factory, tmp_path: Path, section: ProxySection) -> None:
-        import uvicorn
-
-        self.proxy = asyncio.run(build_local_proxy(CODEC, factory, tmp_path / "records", 1, section))
-        self.bodies: list[dict] = []
-
-        @self.proxy.app.middleware("http")
-        async def keep_bodies(request, call_next):
-            if request.url.path == "/v1/messages":
-                self.bodies.append(json.loads(await request.body()))
-            return await call_next(request)
-
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.proxy.app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        for cell in self.proxy.cells.values():
-            cell.close()
 
 
 def run_claude(port: int, api_key: str, prompt: str, tmp_path: Path, *args: str, timeout: float = 300):

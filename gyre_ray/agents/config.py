@@ -1,22 +1,74 @@
-"""Config section `agents`: which harness runs the executions, on which tasks, within what time."""
+"""Config section `agents`: which harness runs the executions, on which tasks, within what limits."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gyre_ray.configbase import Section
 
+NAMED_TASK_SETS = ("toy", "nl2repo-mini")
+
 
 class AgentSection(Section):
-    """Harness, task set and the per-execution time budget."""
+    """Harness, task set, the per-execution time budget and the sandbox every execution runs in."""
 
-    harness: Literal["toy", "claude-code"] = Field("toy", description="Agent harness started per execution.")
-    task_set: Literal["toy"] = Field("toy", description="Named task set the executions are drawn from.")
+    harness: Literal["toy", "claude-code", "codex", "command"] = Field(
+        "toy", description="Agent harness started per execution (see docs/harnesses.md)."
+    )
+    command: list[str] | None = Field(
+        None,
+        description="harness=command: the argv template; items may hold {prompt}, {workspace}, {home}, "
+        "{openai_base_url}, {anthropic_base_url}.",
+    )
+    task_set: str = Field(
+        "toy",
+        description="A named task set (toy, nl2repo-mini) or the path of a .jsonl/.yaml task file "
+        "(format in docs/harnesses.md).",
+    )
     timeout_s: float = Field(
         600.0, gt=0, description="Wall-clock limit of one execution; its workspace is scored afterwards."
     )
+    eval_budget_s: float = Field(
+        120.0,
+        gt=0,
+        description="Time within which a failing evaluator is retried before the execution is dropped.",
+    )
     max_parallel: int = Field(8, ge=1, description="Executions running at once.")
+    isolation: Literal["auto", "user", "none"] = Field(
+        "auto",
+        description="user: each execution runs as an unprivileged uid of its own (needs root); none: as the "
+        "job's uid; auto: user where possible, else none.",
+    )
+    max_processes: int = Field(
+        256, ge=0, description="Processes one execution may run at once (0: no limit)."
+    )
+    max_memory_mb: int = Field(
+        4096, ge=0, description="Resident memory of one execution's processes, MiB (0: no limit)."
+    )
+    max_file_mb: int = Field(
+        1024, ge=0, description="Largest file an execution may write, MiB (0: no limit)."
+    )
+    max_disk_mb: int = Field(
+        4096, ge=0, description="Disk an execution's workspace, HOME and TMPDIR may fill, MiB (0: no limit)."
+    )
+    env_passthrough: list[str] = Field(
+        default_factory=list,
+        description="Names of job environment variables handed to harnesses (none of the job's by default).",
+    )
     toy_turns: int = Field(2, ge=1, description="Main-agent turns of the toy harness before its retry.")
     toy_max_tokens: int = Field(16, ge=1, description="max_tokens of each toy-harness model call.")
+
+    @field_validator("task_set")
+    @classmethod
+    def _task_set(cls, value: str) -> str:
+        if value in NAMED_TASK_SETS:
+            return value
+        path = Path(value).expanduser()
+        if path.suffix not in (".jsonl", ".yaml", ".yml"):
+            raise ValueError(f"task_set must be one of {', '.join(NAMED_TASK_SETS)} or a .jsonl/.yaml file")
+        if not path.is_file():
+            raise ValueError(f"task file {value} does not exist")
+        return str(path.resolve())

@@ -1,18 +1,25 @@
 """Plan a step's executions and run one of them: the pieces the scheduler loop launches as Ray tasks.
 
 Each execution gets its own API key from the proxy, so its calls are recorded under its own id,
-and its own workspace under the run folder. Harness subprocesses are light (they wait on the
-model), so their Ray tasks ask for no CPU and the cells keep theirs.
+and its own workspace under the run folder, in its own sandbox (see `gyre_ray.agents.sandbox`).
+Harness subprocesses are light (they wait on the model), so their Ray tasks ask for no CPU and the
+cells keep theirs. `run_planned_execution` never raises: whatever goes wrong becomes a dropped
+execution with its reason.
 """
 
 from __future__ import annotations
 
+import os
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gyre_ray.agents.config import AgentSection
-from gyre_ray.agents.runner import Endpoint, ExecutionOutcome, harness_command, run_execution
+from gyre_ray.agents.harnesses import build_harness
+from gyre_ray.agents.runner import Endpoint, ExecutionOutcome, run_execution
+from gyre_ray.agents.sandbox import Limits, can_create_users, protect_job_folders
 from gyre_ray.envs.base import Task, get_task_set
 
 
@@ -37,6 +44,16 @@ def plan_step(step: int, tasks: list[Task], tasks_per_step: int, group_size: int
     ]
 
 
+def limits_of(cfg: AgentSection) -> Limits:
+    return Limits(cfg.max_processes, cfg.max_memory_mb, cfg.max_file_mb, cfg.max_disk_mb)
+
+
+def runs_as_root(cfg: AgentSection) -> bool:
+    """Whether the harness will run with uid 0 (the job is root and has no uid of its own to give it)."""
+    own_uid = cfg.isolation == "user" or (cfg.isolation == "auto" and can_create_users())
+    return os.geteuid() == 0 and not own_uid
+
+
 def run_planned_execution(
     execution_id: str,
     task_set: str,
@@ -45,15 +62,34 @@ def run_planned_execution(
     workspace: str,
     section: dict[str, Any],
 ) -> ExecutionOutcome:
-    cfg = AgentSection(**section)
-    task = next(t for t in get_task_set(task_set) if t.task_id == task_id)
-    env = {"GYRE_TOY_TURNS": str(cfg.toy_turns), "GYRE_TOY_MAX_TOKENS": str(cfg.toy_max_tokens)}
-    return run_execution(
-        execution_id,
-        task,
-        endpoint,
-        Path(workspace),
-        command=harness_command(cfg.harness, task),
-        timeout_s=cfg.timeout_s,
-        env_extra=env,
-    )
+    """Run one planned execution in the job's layout (`workspace` = <run>/workspaces/<id>)."""
+    start = time.monotonic()
+    try:
+        cfg = AgentSection(**section)
+        task = next(t for t in get_task_set(task_set) if t.task_id == task_id)
+        path = Path(workspace)
+        if cfg.isolation != "none":
+            protect_job_folders(path.parent)
+        home = path.parent / f"{path.name}.home"
+        spec = build_harness(
+            cfg.harness, task.prompt, base_url=endpoint.base_url, workspace=path, home=home,
+            as_root=runs_as_root(cfg), template=cfg.command,
+        )  # fmt: skip
+        env = {
+            "GYRE_TOY_TURNS": str(cfg.toy_turns),
+            "GYRE_TOY_MAX_TOKENS": str(cfg.toy_max_tokens),
+            **spec.env,
+        }
+        return run_execution(
+            execution_id, task, endpoint, path, command=spec.command,
+            timeout_s=task.time_limit_s or cfg.timeout_s, env_extra=env, isolation=cfg.isolation,
+            limits=limits_of(cfg), eval_budget_s=cfg.eval_budget_s, passthrough=tuple(cfg.env_passthrough),
+            home_files=spec.home_files, require_calls=True,
+        )  # fmt: skip
+    except Exception as exc:  # a broken execution is dropped with its reason, never a crashed job
+        return ExecutionOutcome(
+            execution_id=execution_id, task_id=task_id, exit_code=None, timed_out=False,
+            duration_s=time.monotonic() - start, reward=0.0, valid=False,
+            detail=traceback.format_exc(limit=3)[-1000:], log_tail="",
+            reason=f"execution could not run: {type(exc).__name__}: {exc}",
+        )  # fmt: skip

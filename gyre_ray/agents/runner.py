@@ -1,25 +1,28 @@
-"""Run one execution: an agent harness as a subprocess in a fresh workspace, then evaluate it.
+"""Run one execution: an agent harness in a sandbox with a fresh workspace, then evaluate it.
 
-The harness gets the proxy's OpenAI and Anthropic base URLs and the execution's own API key in its
-environment. A wall-clock timeout ends the harness's whole process group; the task's evaluator
-then still scores the workspace it left (partial credit). An execution whose evaluation yields no
-valid score is marked invalid and is dropped from training.
+The harness runs as the execution's own uid where possible (`gyre_ray.agents.sandbox`), with its
+own workspace, HOME and TMPDIR, an environment allowlist holding the proxy's OpenAI and Anthropic
+base URLs and the execution's own API key, and limits on processes, memory, file size, disk and
+wall time; its whole process tree ends with it. The task's evaluator then scores the workspace,
+also after a timeout or a killed run (partial credit), retried within `eval_budget_s` while it
+yields no valid score. Whatever the harness does, the outcome is a scored or a dropped execution
+with its reason, never an exception:
+
+- no model calls at all: dropped ("no model calls"), there is nothing to train on;
+- no valid evaluation within the budget: dropped with the evaluator's reason;
+- a timeout, a limit, a non-zero exit: scored, the reason kept alongside the reward.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gyre_ray.envs.base import EvalResult, Task
-
-HARNESSES = ("toy", "claude-code")
+from gyre_ray.agents.sandbox import Identity, Limits, acquire_identity, harness_env, prepare_folders, reclaim
+from gyre_ray.agents.supervise import supervise
+from gyre_ray.envs.base import EvalContext, EvalResult, Task, evaluate_with_retries
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class Endpoint:
 
 @dataclass
 class ExecutionOutcome:
-    """What became of one execution."""
+    """What became of one execution. `reason`: why it was dropped (valid=False) or what went wrong
+    in a scored one (e.g. a timeout); empty when it ran cleanly."""
 
     execution_id: str
     task_id: str
@@ -43,54 +47,35 @@ class ExecutionOutcome:
     valid: bool
     detail: str
     log_tail: str
+    reason: str = ""
+    calls: int | None = None  # model calls the proxy recorded (None: not known)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def harness_command(harness: str, task: Task) -> list[str]:
-    """The command line that starts `harness` on `task`."""
-    if harness == "toy":
-        return [sys.executable, "-m", "gyre_ray.agents.toy_agent"]
-    if harness == "claude-code":
-        claude = shutil.which("claude") or str(Path(".cache/claude/node_modules/.bin/claude").resolve())
-        return [claude, "-p", task.prompt, "--dangerously-skip-permissions"]
-    raise ValueError(f"unknown harness {harness!r}; known: {', '.join(HARNESSES)}")
+def count_calls(endpoint: Endpoint, execution_id: str) -> int | None:
+    """Recorded model calls of the execution, read with its own key (None when the proxy can't say)."""
+    url = f"{endpoint.base_url.rstrip('/')}/gyre/executions/{execution_id}/records"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {endpoint.api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return sum(1 for line in response.read().splitlines() if line.strip())
+    except (OSError, ValueError):
+        return None
 
 
-def harness_env(
-    endpoint: Endpoint, task: Task, workspace: Path, extra: dict[str, str] | None
-) -> dict[str, str]:
-    """The subprocess environment: proxy URLs, the execution's key, the task, no telemetry."""
-    env = dict(os.environ)
-    env.update(
-        {
-            "OPENAI_BASE_URL": endpoint.base_url.rstrip("/") + "/v1",
-            "OPENAI_API_KEY": endpoint.api_key,
-            "ANTHROPIC_BASE_URL": endpoint.base_url.rstrip("/"),
-            "ANTHROPIC_API_KEY": endpoint.api_key,
-            "DISABLE_TELEMETRY": "1",
-            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "GYRE_TASK_PROMPT": task.prompt,
-            "GYRE_WORKSPACE": str(workspace),
-        }
-    )
-    env.update(extra or {})
-    return env
-
-
-def _end_process_group(proc: subprocess.Popen) -> None:
-    """Terminate the harness and everything it spawned (its own session), then kill stragglers."""
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _harness_reason(finished) -> str:
+    parts = []
+    if finished.timed_out:
+        parts.append("timed out")
+    if finished.limit:
+        parts.append(f"killed at its {finished.limit}")
+    if finished.exit_code not in (None, 0):
+        parts.append(f"harness exited with code {finished.exit_code}")
+    if finished.leftovers:
+        parts.append("processes survived the kill")
+    return "; ".join(parts)
 
 
 def run_execution(
@@ -102,43 +87,88 @@ def run_execution(
     command: list[str],
     timeout_s: float,
     env_extra: dict[str, str] | None = None,
+    isolation: str = "auto",
+    limits: Limits | None = None,
+    eval_budget_s: float = 120.0,
+    passthrough: tuple[str, ...] = (),
+    home_files: dict[str, str] | None = None,
+    require_calls: bool = False,
 ) -> ExecutionOutcome:
-    """Run `command` in `workspace` until it exits or `timeout_s` passes, then evaluate the workspace."""
+    """Run `command` in `workspace` until it exits, `timeout_s` passes or a limit is hit; evaluate.
+
+    `require_calls`: drop the execution when the proxy recorded no model call for it."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    task.seed_workspace(workspace)
-    log_path = workspace.parent / f"{workspace.name}.log"
-    start = time.monotonic()
-    timed_out = False
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            command,
-            cwd=workspace,
-            env=harness_env(endpoint, task, workspace, env_extra),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _end_process_group(proc)
-    duration = time.monotonic() - start
+    limits = limits or Limits()
+    identity = acquire_identity(isolation)
     try:
-        result = task.evaluate(workspace)
-    except Exception as exc:  # an evaluator crash is an invalid evaluation, not a crashed job
-        result = EvalResult(0.0, valid=False, detail=f"evaluator failed: {type(exc).__name__}: {exc}")
-    tail = log_path.read_bytes()[-2000:].decode(errors="replace")
+        return _run(
+            identity, execution_id, task, endpoint, workspace, command, timeout_s, env_extra or {},
+            limits, eval_budget_s, passthrough, home_files or {}, require_calls,
+        )  # fmt: skip
+    finally:
+        reclaim(identity)
+
+
+def _run(
+    identity: Identity, execution_id, task, endpoint, workspace, command, timeout_s, env_extra, limits,
+    eval_budget_s, passthrough, home_files, require_calls,
+) -> ExecutionOutcome:  # fmt: skip
+    home, tmp = workspace.parent / f"{workspace.name}.home", workspace.parent / f"{workspace.name}.tmp"
+    scratch = workspace.parent / f"{workspace.name}.eval"
+    task.seed_workspace(workspace)
+    for rel, text in home_files.items():
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_text(text)
+    prepare_folders(identity, workspace, home, tmp)
+    log_path = workspace.parent / f"{workspace.name}.log"
+    values = {
+        "OPENAI_BASE_URL": endpoint.base_url.rstrip("/") + "/v1",
+        "OPENAI_API_KEY": endpoint.api_key,
+        "ANTHROPIC_BASE_URL": endpoint.base_url.rstrip("/"),
+        "ANTHROPIC_API_KEY": endpoint.api_key,
+        "GYRE_API_KEY": endpoint.api_key,
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "GYRE_TASK_PROMPT": task.prompt,
+        "GYRE_WORKSPACE": str(workspace),
+        **env_extra,
+    }
+    env = harness_env(identity, home, tmp, values, passthrough)
+    watch = [workspace, home, tmp]
+    finished = supervise(
+        command, identity=identity, cwd=workspace, env=env, log_path=log_path,
+        timeout_s=timeout_s, limits=limits, watch=watch,
+    )  # fmt: skip
+    calls = count_calls(endpoint, execution_id) if require_calls else None
+    reason = _harness_reason(finished)
+
+    def run_command(cmd: list[str], cwd: Path, timeout: float, extra: dict[str, str]):
+        return supervise(
+            cmd, identity=identity, cwd=cwd, env=harness_env(identity, home, tmp, extra),
+            log_path=scratch / "evaluator.log", timeout_s=timeout, limits=limits, watch=watch + [scratch],
+        )  # fmt: skip
+
+    start_eval = time.monotonic()
+    if calls == 0:
+        result = EvalResult(0.0, valid=False, detail="no model calls: nothing to train on")
+    else:
+        prepare_folders(identity, scratch)
+        result = evaluate_with_retries(task, EvalContext(workspace, scratch, run_command), eval_budget_s)
+    tail = log_path.read_bytes()[-2000:].decode(errors="replace") if log_path.exists() else ""
+    reasons = [r for r in (reason, "" if result.valid else result.detail) if r]
+    if calls == 0:
+        reasons = ["no model calls", *([reason] if reason else [])]
     return ExecutionOutcome(
         execution_id=execution_id,
         task_id=task.task_id,
-        exit_code=None if timed_out else proc.returncode,
-        timed_out=timed_out,
-        duration_s=duration,
-        reward=float(result.reward),
+        exit_code=finished.exit_code,
+        timed_out=finished.timed_out,
+        duration_s=finished.duration_s + (time.monotonic() - start_eval),
+        reward=float(result.reward) if result.valid else 0.0,
         valid=bool(result.valid),
-        detail=("timed out; " if timed_out else "") + result.detail,
+        detail=("timed out; " if finished.timed_out else "") + result.detail,
         log_tail=tail,
+        reason="; ".join(reasons),
+        calls=calls,
     )

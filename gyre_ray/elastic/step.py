@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.agents.launch import PlannedExecution, run_planned_execution
+from gyre_ray.agents.outcomes import outcome_metrics
 from gyre_ray.agents.runner import Endpoint
 from gyre_ray.elastic.stream import MicroBatchStream
 from gyre_ray.observability.progress import Progress
@@ -316,6 +317,7 @@ class _ElasticStep:
             "step_seconds": time.monotonic() - self.t0,
             "costs": dataclasses.asdict(self.costs),
             "version": version,
+            **outcome_metrics(outcomes),  # dropped executions and every reason, per execution
         }
         if step_metrics:
             metrics.update(

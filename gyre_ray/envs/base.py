@@ -8,9 +8,11 @@ to produce a score marks the execution invalid (it is then dropped from training
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,17 @@ Evaluator = Callable[[Path], EvalResult]
 
 
 @dataclass(frozen=True)
+class EvalContext:
+    """What a command evaluator gets besides the workspace: a private scratch folder (hidden tests,
+    reports) and `run(command, cwd, timeout_s, env)`, which runs a command in the execution's
+    sandbox (its uid and limits) and returns `supervise.Finished`."""
+
+    workspace: Path
+    scratch: Path
+    run: Callable[[list[str], Path, float, dict[str, str]], Any]
+
+
+@dataclass(frozen=True)
 class Task:
     """One task: an id, the instruction given to the agent, workspace seed files and an evaluator."""
 
@@ -33,10 +46,24 @@ class Task:
     prompt: str
     evaluate: Evaluator
     files: dict[str, str] = field(default_factory=dict)
+    time_limit_s: float | None = None  # overrides agents.timeout_s when set
+    seed_dir: Path | None = None  # a folder copied into the workspace first
+    git: str | None = None  # a repository cloned into the workspace first
+    git_rev: str | None = None
 
     def seed_workspace(self, workspace: Path) -> None:
         """Write the task's seed files into a fresh workspace folder."""
         workspace.mkdir(parents=True, exist_ok=True)
+        if self.git:
+            import subprocess
+
+            branch = ["--branch", self.git_rev] if self.git_rev else []
+            cmd = ["git", "clone", "--quiet", "--depth", "1", *branch, self.git, str(workspace)]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+        if self.seed_dir is not None:
+            import shutil
+
+            shutil.copytree(self.seed_dir, workspace, dirs_exist_ok=True, symlinks=True)
         for rel, text in self.files.items():
             target = (workspace / rel).resolve()
             if workspace.resolve() not in target.parents:
@@ -45,10 +72,45 @@ class Task:
             target.write_text(text)
 
 
+def evaluate_with_retries(task: Task, ctx: EvalContext, budget_s: float) -> EvalResult:
+    """Score the workspace; while the evaluator yields no valid score, try again until `budget_s` is
+    spent (one try at least). An evaluator that raises counts as a failed try."""
+    deadline = time.monotonic() + budget_s
+    tries, result = 0, EvalResult(0.0, valid=False, detail="not evaluated")
+    while True:
+        tries += 1
+        try:
+            if getattr(task.evaluate, "needs_context", False):
+                result = task.evaluate(ctx.workspace, ctx)  # type: ignore[call-arg]
+            else:
+                result = task.evaluate(ctx.workspace)
+        except Exception as exc:  # a crashed evaluator is an invalid try, not a crashed job
+            result = EvalResult(0.0, valid=False, detail=f"evaluator failed: {type(exc).__name__}: {exc}")
+        if result.valid or time.monotonic() >= deadline:
+            break
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    if tries > 1:
+        note = f"after {tries} evaluator tries"
+        result = EvalResult(result.reward, result.valid, f"{result.detail} ({note})".strip())
+    return result
+
+
+NAMED_SETS = ("toy", "nl2repo-mini")
+
+
 def get_task_set(name: str) -> list[Task]:
-    """The tasks of a named set (`toy` is the CPU demo set)."""
+    """The tasks of a named set (`toy`: the CPU demo; `nl2repo-mini`: build-a-package tasks scored by
+    hidden tests) or of a task file (a path ending in .jsonl, .yaml or .yml; see docs/harnesses.md)."""
     if name == "toy":
         from gyre_ray.envs.toy import toy_tasks
 
         return toy_tasks()
-    raise ValueError(f"unknown task set {name!r}; known: toy")
+    if name == "nl2repo-mini":
+        from gyre_ray.envs.nl2repo import nl2repo_mini_path
+
+        name = str(nl2repo_mini_path())
+    if name.endswith((".jsonl", ".yaml", ".yml")):
+        from gyre_ray.envs.taskfile import load_task_file
+
+        return load_task_file(Path(name))
+    raise ValueError(f"unknown task set {name!r}; known: {', '.join(NAMED_SETS)}, or a .jsonl/.yaml file")

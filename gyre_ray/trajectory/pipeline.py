@@ -140,8 +140,8 @@ def training_batches_with_stats(
     execution's `ProcessedExecution.stats()` (every tree is built once, for both).
 
     Advantages are normalised within each group (`group_ids[execution] -> task key`) over the
-    executions that have a reward. Executions without model-generated tokens are skipped (they
-    carry no loss). Every execution in `records_by_execution` needs a reward and a group id.
+    executions that have a reward. Executions without records or without model-generated tokens
+    are skipped (they carry no loss). Every execution in `records_by_execution` needs a reward and a group id.
     Packed trees are cut into one piece per root (`split_roots`, exact); `layout="expanded"` gives
     one plain row per selected path instead (for comparison).
     """
@@ -153,6 +153,8 @@ def training_batches_with_stats(
     samples: list[Sample] = []
     stats: list[dict[str, Any]] = []
     for execution_id, records in records_by_execution.items():
+        if not records:  # no model calls: nothing to train on (the runner drops such executions)
+            continue
         for record in records:
             if record.execution_id != execution_id:
                 raise ValueError(
@@ -160,8 +162,7 @@ def training_batches_with_stats(
                     f"but is listed under {execution_id!r}"
                 )
         processed = process_execution(records, traj_cfg, decode, vocab_size)
-        if records:
-            stats.append(processed.stats())
+        stats.append(processed.stats())
         for sample in execution_samples(processed, advantages[execution_id], layout):
             # Roots never attend to each other: shorter pieces keep the dense (T, T) masks small.
             pieces = split_roots(sample) if layout == "packed" else [sample]

@@ -1,0 +1,105 @@
+"""The harnesses an execution can run: what command starts each, with which variables and HOME files.
+
+- `toy`: the built-in OpenAI-SDK agent (`gyre_ray.agents.toy_agent`).
+- `claude-code`: `claude -p PROMPT --dangerously-skip-permissions` against the proxy's Anthropic API.
+  Claude Code refuses that flag as root; the sandbox runs it as an unprivileged uid of its own, and
+  where it cannot (no root to create users) and the job is root, `IS_SANDBOX=1` is set instead.
+- `codex`: `codex exec` against the proxy's Responses API, its provider written to `$HOME/.codex/config.toml`.
+- `command`: any agent CLI from `agents.command`, a list whose items may hold `{prompt}`,
+  `{workspace}`, `{home}`, `{openai_base_url}`, `{anthropic_base_url}`; the key is in its env.
+
+Claude Code and Codex are found at `CLAUDE_CODE_BIN` / `CODEX_BIN`, else in the repo's `.cache/`
+(where `make install-harnesses` puts the pinned versions), else on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HARNESSES = ("toy", "claude-code", "codex", "command")
+REPO = Path(__file__).resolve().parents[2]
+KEY_VAR = "GYRE_API_KEY"
+
+
+@dataclass(frozen=True)
+class HarnessSpec:
+    """A harness ready to start: argv, extra environment, files to write under its HOME."""
+
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    home_files: dict[str, str] = field(default_factory=dict)
+
+
+def find_binary(env_var: str, cached: str, name: str) -> str | None:
+    """An executable from `$env_var`, the repo cache path `cached`, or PATH."""
+    for path in (os.environ.get(env_var), str(REPO / cached)):
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return shutil.which(name)
+
+
+def claude_binary() -> str | None:
+    return find_binary("CLAUDE_CODE_BIN", ".cache/claude/node_modules/.bin/claude", "claude")
+
+
+def codex_binary() -> str | None:
+    return find_binary("CODEX_BIN", ".cache/codex/node_modules/.bin/codex", "codex")
+
+
+def codex_config(openai_base_url: str) -> str:
+    """`$HOME/.codex/config.toml` pointing Codex at the proxy (Responses API, key in GYRE_API_KEY)."""
+    return (
+        'model = "policy"\nmodel_provider = "gyre"\n'
+        'approval_policy = "never"\nsandbox_mode = "workspace-write"\n\n'
+        "[model_providers.gyre]\n"
+        'name = "gyre-ray proxy"\n'
+        f'base_url = "{openai_base_url}"\n'
+        f'env_key = "{KEY_VAR}"\n'
+        'wire_api = "responses"\n'
+        "request_max_retries = 0\nstream_max_retries = 0\n"
+    )
+
+
+def build_harness(
+    harness: str,
+    prompt: str,
+    *,
+    base_url: str,
+    workspace: Path,
+    home: Path,
+    as_root: bool,
+    template: list[str] | None = None,
+) -> HarnessSpec:
+    """The spec that starts `harness` on `prompt`; `as_root`: the harness will run with uid 0."""
+    openai_url = base_url.rstrip("/") + "/v1"
+    anthropic_url = base_url.rstrip("/")
+    if harness == "toy":
+        return HarnessSpec([sys.executable, "-m", "gyre_ray.agents.toy_agent"])
+    if harness == "claude-code":
+        claude = claude_binary()
+        if claude is None:
+            raise FileNotFoundError("Claude Code is not installed; run: make install-harnesses")
+        env = {"IS_SANDBOX": "1"} if as_root else {}
+        return HarnessSpec([claude, "-p", prompt, "--dangerously-skip-permissions"], env)
+    if harness == "codex":
+        codex = codex_binary()
+        if codex is None:
+            raise FileNotFoundError("Codex is not installed; run: make install-harnesses")
+        command = [codex, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", prompt]
+        return HarnessSpec(command, {}, {".codex/config.toml": codex_config(openai_url)})
+    if harness == "command":
+        if not template:
+            raise ValueError("agents.harness=command needs agents.command (a list of arguments)")
+        values = {
+            "prompt": prompt,
+            "workspace": str(workspace),
+            "home": str(home),
+            "openai_base_url": openai_url,
+            "anthropic_base_url": anthropic_url,
+        }
+        return HarnessSpec([part.format_map(values) for part in template])
+    raise ValueError(f"unknown harness {harness!r}; known: {', '.join(HARNESSES)}")

@@ -1,0 +1,321 @@
+"""Isolation for harness processes: their own unprivileged user, folders, environment and limits.
+
+An execution runs untrusted code (the agent under training, and whatever it writes). Its sandbox:
+
+- **Its own uid** where the job runs as root (`isolation: auto` or `user`): a pool of system users
+  `gyre-exec-<slot>` is created on demand with `useradd`; a slot is held with an exclusive `flock`
+  for the whole execution, so no two running executions share a uid. Without root (or without
+  `useradd`) `auto` falls back to the job's own uid (`none`): limits and the environment allowlist
+  still apply, but another execution's files are then protected only by the path being unknown.
+- **Its own folders**: workspace, HOME and TMPDIR, owned by its uid, mode 0700; ancestors of the
+  workspace get `o+x` (traverse, never list) so the uid can reach them. When the execution ends
+  its folders are handed back to the job's uid, and what its uid left in /tmp, /var/tmp, /dev/shm is
+  removed, so the next execution that draws the same uid can read none of it.
+- **An environment allowlist** (`harness_env`): PATH, locale, HOME/TMPDIR, the proxy's URLs and the
+  execution's own key, and the variables a config names; never the job's secrets.
+- **Limits** (`gyre_ray.agents.limits` applies rlimits in the child; `supervise` watches the rest).
+- **Kill of the whole tree** (`kill_all`): with its own uid, `kill(-1, SIGKILL)` issued as that uid
+  until /proc shows none of its processes (this also ends children that left the session);
+  otherwise the harness's session.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import grp
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+USER_PREFIX = "gyre-exec-"
+GROUP = "gyre-exec"  # the pool users' shared primary group: may traverse what they need to reach
+LOCK_DIR = Path(os.environ.get("GYRE_SANDBOX_LOCK_DIR", "/tmp/gyre-ray-sandbox"))
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+BASE_ENV_NAMES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not be set up (e.g. `isolation: user` without root)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-execution resource limits (0 disables one)."""
+
+    max_processes: int = 256
+    max_memory_mb: int = 4096
+    max_file_mb: int = 1024
+    max_disk_mb: int = 2048
+
+
+@dataclass
+class Identity:
+    """Who the harness runs as: a pool user (with the flock that reserves it) or the job's own uid."""
+
+    uid: int
+    gid: int
+    name: str
+    dedicated: bool
+    lock_fd: int | None = None
+    folders: list[Path] = field(default_factory=list)
+
+    def release(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def can_create_users() -> bool:
+    """Root with `useradd` on PATH (the conditions for a uid per execution)."""
+    return os.geteuid() == 0 and shutil.which("useradd") is not None
+
+
+def _run_admin(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise SandboxError(f"{' '.join(cmd)} failed: {done.stderr.strip() or done.returncode}")
+
+
+def _ensure_user(name: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    with open(LOCK_DIR / "useradd.lock", "w") as lock:  # useradd itself fails on a concurrent lock
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            pass
+        try:
+            grp.getgrnam(GROUP)
+        except KeyError:
+            _run_admin(["groupadd", "--system", GROUP])
+        _run_admin(
+            ["useradd", "--system", "--gid", GROUP, "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+        )
+    return pwd.getpwnam(name)
+
+
+def acquire_identity(isolation: str) -> Identity:
+    """An identity for one execution. `user`: a pool uid (error without root); `auto`: a pool uid where
+    possible, else the job's; `none`: the job's uid."""
+    if isolation not in ("auto", "user", "none"):
+        raise ValueError(f"isolation must be auto, user or none, got {isolation!r}")
+    if isolation == "none" or (isolation == "auto" and not can_create_users()):
+        me = pwd.getpwuid(os.geteuid())
+        return Identity(os.geteuid(), os.getegid(), me.pw_name, dedicated=False)
+    if not can_create_users():
+        raise SandboxError("isolation 'user' needs root and useradd; use isolation 'auto' or 'none'")
+    LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    os.chmod(LOCK_DIR, 0o700)
+    for slot in range(4096):
+        fd = os.open(LOCK_DIR / f"slot-{slot}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            entry = _ensure_user(f"{USER_PREFIX}{slot}")
+        except BaseException:
+            os.close(fd)
+            raise
+        identity = Identity(entry.pw_uid, entry.pw_gid, entry.pw_name, dedicated=True, lock_fd=fd)
+        kill_all(identity, None)  # anything a crashed earlier holder left behind
+        return identity
+    raise SandboxError("no free sandbox user slot")
+
+
+def grant_traverse(path: Path, gid: int) -> None:
+    """Let the pool group traverse (never list) every ancestor of `path` that blocks other users: an
+    ancestor with no group or other access and owned by the job gets group `gid` with `g+x` only."""
+    for parent in reversed(Path(path).resolve().parents):
+        st = parent.stat()
+        if st.st_mode & 0o001 or (st.st_gid == gid and st.st_mode & 0o010):
+            continue
+        if st.st_uid != os.geteuid() or st.st_mode & 0o070:
+            raise SandboxError(
+                f"{parent} is not traversable by sandbox users and not ours to open (mode {st.st_mode:o})"
+            )
+        os.chown(parent, -1, gid)
+        os.chmod(parent, (st.st_mode & 0o7707) | 0o010)
+
+
+def grant_runtime(identity: Identity, command: list[str]) -> None:
+    """Let the identity reach the interpreter the wrapper needs and the command's executable."""
+    if not identity.dedicated:
+        return
+    needed = [Path(sys.executable).resolve(), Path(sys.base_prefix) / "lib", Path(sys.prefix) / "lib"]
+    found = shutil.which(command[0]) if command else None
+    if found:
+        needed.append(Path(found).resolve())
+    for path in needed:
+        grant_traverse(path / "x" if path.is_dir() else path, identity.gid)
+
+
+def prepare_folders(identity: Identity, *folders: Path) -> None:
+    """Create `folders` (workspace, HOME, TMPDIR), private to the identity (0700, owned by its uid)."""
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        if identity.dedicated:
+            grant_traverse(folder, identity.gid)
+            _chown_tree(folder, identity.uid, identity.gid)
+        os.chmod(folder, 0o700)
+        identity.folders.append(folder)
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.chown(root, uid, gid, follow_symlinks=False)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            try:
+                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+
+
+def reclaim(identity: Identity) -> None:
+    """After the execution: its folders back to the job's uid, its scratch files removed, its slot freed."""
+    try:
+        if identity.dedicated:
+            for folder in identity.folders:
+                if folder.exists():
+                    _chown_tree(folder, os.geteuid(), os.getegid())
+            _remove_scratch(identity.uid)
+    finally:
+        identity.release()
+
+
+def _remove_scratch(uid: int) -> None:
+    for scratch in SCRATCH_DIRS:
+        try:
+            entries = list(os.scandir(scratch))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                continue
+
+
+def harness_env(identity: Identity, home: Path, tmp: Path, values: dict[str, str], passthrough=()) -> dict:
+    """The harness's whole environment: an allowlist, never the job's own variables wholesale."""
+    env = {name: os.environ[name] for name in (*BASE_ENV_NAMES, *passthrough) if name in os.environ}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.setdefault("LANG", "C.UTF-8")
+    env.update(HOME=str(home), TMPDIR=str(tmp), USER=identity.name, LOGNAME=identity.name, SHELL="/bin/bash")
+    env["TERM"] = "dumb"
+    env.update(values)
+    return env
+
+
+def limited_command(command: list[str], limits: Limits, dedicated: bool) -> list[str]:
+    """`command` behind the rlimit wrapper (process count only with a uid of its own: it is per uid)."""
+    wrapper = [sys.executable, "-m", "gyre_ray.agents.limits"]
+    wrapper += ["--nproc", str(limits.max_processes if dedicated else 0)]
+    wrapper += ["--fsize-mb", str(limits.max_file_mb), "--"]
+    return wrapper + list(command)
+
+
+def processes_of(identity: Identity, session: int | None) -> list[int]:
+    """Live pids of the execution: every process of its uid (own uid), or of the harness's session."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if identity.dedicated and os.stat(f"/proc/{entry}").st_uid != identity.uid:
+                continue
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] in ("Z", "X"):  # exited, waiting to be reaped: holds no resources
+                continue
+            if identity.dedicated or (session is not None and int(fields[3]) == session):
+                pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def resident_mb(pids: list[int]) -> float:
+    """Summed resident memory of `pids` in MiB."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+                    break
+        except (OSError, ValueError):
+            continue
+    return total / 1024
+
+
+def disk_mb(folders: list[Path]) -> float:
+    """Allocated size of everything under `folders` in MiB."""
+    total = 0
+    for folder in folders:
+        for dirpath, dirnames, filenames in os.walk(folder):
+            for name in dirnames + filenames:
+                try:
+                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                except OSError:
+                    continue
+    return total / (1 << 20)
+
+
+def kill_all(identity: Identity, session: int | None, wait_s: float = 10.0) -> bool:
+    """SIGKILL every process of the execution; True when none is left."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = processes_of(identity, session)
+        if not pids:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        if identity.dedicated:  # as the uid itself: reaches children that left the session too
+            subprocess.run(
+                [sys.executable, "-S", "-c", "import os, signal; os.kill(-1, signal.SIGKILL)"],
+                user=identity.uid,
+                group=identity.gid,
+                extra_groups=[],
+                env={},
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
+        else:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    continue
+        time.sleep(0.05)
+
+
+def protect_job_folders(workspaces: Path, private: tuple[str, ...] = ("records",)) -> None:
+    """In the job's run folder (`workspaces`' parent): executions may traverse to their workspaces but
+    list nothing, and read none of the job's files; `private` folders are created 0700 if missing."""
+    run_dir = workspaces.parent
+    workspaces.mkdir(parents=True, exist_ok=True)
+    for name in private:
+        (run_dir / name).mkdir(mode=0o700, exist_ok=True)
+    for entry in run_dir.iterdir():
+        if entry != workspaces and not entry.is_symlink():
+            os.chmod(entry, entry.stat().st_mode & 0o7700)
+    os.chmod(workspaces, 0o711)
+    os.chmod(run_dir, 0o711)
