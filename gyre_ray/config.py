@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from gyre_ray.agents.config import AgentSection
 from gyre_ray.algo.config import AlgoSection
+from gyre_ray.cells.config import CellsSection
 from gyre_ray.configbase import Section
 from gyre_ray.engines.config import EngineSection
 from gyre_ray.model.config import ModelSection
@@ -52,6 +53,7 @@ class GyreConfig(Section):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection, description="Scheduling.")
     sim: SimSection = Field(default_factory=SimSection, description="Simulator.")
     proxy: ProxySection = Field(default_factory=ProxySection, description="Agent proxy.")
+    cells: CellsSection = Field(default_factory=CellsSection, description="Cells (placement groups).")
 
 
 class ConfigError(ValueError):

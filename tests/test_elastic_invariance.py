@@ -17,8 +17,8 @@ from gyre_ray.algo.config import AlgoSection
 from gyre_ray.algo.gspo import step_scale
 from gyre_ray.cells.dual_role import DualRoleCell, TrainerFactory
 from gyre_ray.cells.factories import ScriptedEngineFactory
-from gyre_ray.elastic.stream import MicroBatchStream
 from gyre_ray.model.arch import ModelArgs
+from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.trainers.batch import MicroBatch
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.trajectory.pipeline import build_training_batches
@@ -45,8 +45,9 @@ def make_batches() -> list[MicroBatch]:
 
 async def new_cell(index: int) -> DualRoleCell:
     cell = DualRoleCell(
-        f"cell-{index}", ScriptedEngineFactory(), TrainerFactory(MODEL, TRAINER, ALGO), torch_threads=1
-    )
+        f"cell-{index}", ScriptedEngineFactory(), TrainerFactory(MODEL, TRAINER, ALGO), torch_threads=1,
+        is_core=index == 0,
+    )  # fmt: skip
     await cell.setup()
     return cell
 
