@@ -33,6 +33,7 @@ from gyre_ray.runtime.groups import GroupResult, process_group
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
+from gyre_ray.scheduling.config import SchedulerSection
 from gyre_ray.scheduling.runtime import (
     CellPhase,
     CellView,
@@ -73,22 +74,40 @@ class RunScheduler:
         self.views = [
             CellView(c, i, capacity=capacity, is_core=i == self.core) for i, c in enumerate(self.ids)
         ]
-        self.eta = self.cfg.scheduler.staleness
-        self.costs = Costs()
-        self.recorder = RunRecorder(self.ids)
         self.step_metrics: list[dict[str, Any]] = []
         self.done = False
 
     # ---- the run --------------------------------------------------------------------------------
-    def run(self, steps: int) -> dict[str, Any]:
-        """Run `steps` updates; returns {"steps": per-step metrics, "trace": rows, "costs": measured}."""
+    def run(
+        self, steps: int, scheduler: dict[str, Any] | None = None, run_dir: str | None = None, tag: str = ""
+    ) -> dict[str, Any]:
+        """Run `steps` updates; returns {"steps": per-step metrics, "trace": rows, "costs": measured, ...}.
+
+        Several runs may follow each other on the same cells (benchmarks): `scheduler` replaces the
+        `scheduler` section for this run, `run_dir` the workspaces' folder, `tag` prefixes execution ids.
+        Every cell is back in rollout, serving the last version, when a run returns.
+        """
+        if scheduler is not None:
+            self.cfg = self.cfg.model_copy(update={"scheduler": SchedulerSection.model_validate(scheduler)})
+        if run_dir is not None:
+            self.run_dir = Path(run_dir)
         cfg = self.cfg
+        self.eta = cfg.scheduler.staleness
+        self.costs = Costs()
+        self.recorder = RunRecorder(self.ids)
+        self.step_metrics = []
+        self.done = False
+        for view in self.views:
+            view.enter(CellPhase.ROLLOUT, 0.0)
+            view.return_requested = False
         tasks = get_task_set(cfg.agents.task_set)
         self.planned: list[PlannedExecution] = []
         batch_of: list[int] = []
         for step in range(steps):
             items = plan_step(step, tasks, cfg.run.tasks_per_step, cfg.algo.group_size)
-            self.planned += items
+            self.planned += [
+                dataclasses.replace(p, execution_id=tag + p.execution_id, group=tag + p.group) for p in items
+            ]
             batch_of += [step] * len(items)
         self.steps = steps
         self.ledger = ExecutionLedger.planned(batch_of)
@@ -135,8 +154,20 @@ class RunScheduler:
                 ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             for ref in ready:
                 self._finished(ref)
+        summary = self.recorder.summary(self, self._cost_report())
+        self._settle()
         self.done = True
-        return self.recorder.summary(self, self._cost_report())
+        return summary
+
+    def _settle(self) -> None:
+        """Every trainer back to rollout on the last version (after the makespan; not counted as switches)."""
+        refs = []
+        for i, view in enumerate(self.views):
+            if view.role is Role.TRAIN:
+                weights = None if view.is_core else self.weights
+                refs.append(self.actors[i].switch_to_rollout.remote(weights, self.trainer_version))
+            view.enter(CellPhase.ROLLOUT, self._now())
+        ray.get(refs, timeout=300)
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
@@ -209,12 +240,12 @@ class RunScheduler:
             ],
             timeout=60,
         )
-        remote = ray.remote(num_cpus=0)(self.execute)
+        remote = ray.remote(num_cpus=0)(_execute)
         now = self._now()
         for action, key in zip(launches, keys, strict=True):
             item = self.planned[action.exec_id]
             ref = remote.remote(
-                item.execution_id, cfg.agents.task_set, item.task.task_id,
+                self.execute, item.execution_id, cfg.agents.task_set, item.task.task_id,
                 Endpoint(self.base_url, key["api_key"]), str(self.run_dir / "workspaces" / item.execution_id),
                 cfg.agents.model_dump(),
             )  # fmt: skip
@@ -246,13 +277,15 @@ class RunScheduler:
             self.imports.add(self.actors[self.core].import_grads.remote(actor.export_grads.remote()))
             self.has_grads[index] = False
         demand = len(self.ledger.hosted) + sum(1 for e in self.ledger.pending if self._launchable(e))
+        capacity = sum(v.capacity for v in self.views if v.role is Role.ROLLOUT)
         self.recorder.phase(index, view, CellPhase.TO_ROLLOUT, now)
         view.return_requested = False
         weights = None if view.is_core else self.weights
         ref = actor.to_rollout.remote(weights, self.trainer_version)
         self.switches[ref] = Switch(index, "to_rollout", now, self.trainer_version, event={
             "cell": view.cell_id, "direction": "train->rollout", "at_s": round(now, 3),
-            "executions_running": len(self.ledger.hosted), "demand": demand, "batch": self.updates,
+            "executions_running": len(self.ledger.hosted), "demand": demand, "rollout_capacity": capacity,
+            "batch": self.updates,
             "step_training_done": self.update is not None or self.streams[self.updates].complete,
         })  # fmt: skip
 
@@ -457,6 +490,11 @@ class RunScheduler:
         )  # fmt: skip
 
 
+def _execute(execute: Any, *args: Any) -> Any:
+    """One execution's Ray task (harnesses wait on the model: the task asks for no CPU)."""
+    return execute(*args)
+
+
 @ray.remote(num_cpus=0, max_concurrency=4)
 class SchedulerActor:
     """`RunScheduler` as the named Ray actor `scheduler` (threaded: progress answers while `run` works)."""
@@ -464,8 +502,8 @@ class SchedulerActor:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.scheduler = RunScheduler(*args, **kwargs)
 
-    def run(self, steps: int) -> dict[str, Any]:
-        return self.scheduler.run(steps)
+    def run(self, steps: int, **options: Any) -> dict[str, Any]:
+        return self.scheduler.run(steps, **options)
 
     def progress(self) -> dict[str, Any]:
         return self.scheduler.progress()
