@@ -15,10 +15,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from longtail_workload import LongTailExecutor, ship_by_value  # noqa: E402
+
 from gyre_ray.config import load_config  # noqa: E402
 from gyre_ray.runtime.cluster import Runtime  # noqa: E402
 from gyre_ray.trajectory.records import read_jsonl  # noqa: E402
-from longtail_workload import LongTailExecutor, ship_by_value  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
