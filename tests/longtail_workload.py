@@ -42,7 +42,9 @@ class LongTailExecutor:
     timeout_hours: float = NL2REPO["timeout_hours"]
 
     def duration_s(self, execution_id: str) -> tuple[float, bool]:
-        """(seconds, timed out) of an execution `s<step>-<task>-<g>` (its task and step share z_task)."""
+        """(seconds, timed out) of an execution `[<run tag>.]s<step>-<task>-<g>` (its task and step share
+        z_task; the run tag does not count, so every run of a benchmark sees the same durations)."""
+        execution_id = execution_id.rsplit(".", 1)[-1]
         group = execution_id.rsplit("-", 1)[0]
         z = math.sqrt(self.rho) * _normal(self.seed, group) + math.sqrt(1 - self.rho) * _normal(
             self.seed, execution_id

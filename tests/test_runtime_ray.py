@@ -71,7 +71,7 @@ def test_actors_are_named_in_the_runs_namespace(runtime) -> None:
 
 def test_eta1_pipelines_steps_within_the_bound_and_elastic_returns_cells_for_demand(runtime) -> None:
     rt, folder = runtime
-    result = _run(runtime, 3, "p1-")
+    result = _run(runtime, 3, "p1.")
     steps, trace = result["steps"], result["trace"]
     v0 = steps[0]["version"] - 1
     assert [m["version"] for m in steps] == [v0 + 1, v0 + 2, v0 + 3]
@@ -96,7 +96,7 @@ def test_eta1_pipelines_steps_within_the_bound_and_elastic_returns_cells_for_dem
 
 
 def test_async_never_switches_and_trains_on_its_fixed_cells(runtime) -> None:
-    result = _run(runtime, 2, "a1-", policy="async", async_train_cells=1)
+    result = _run(runtime, 2, "a1.", policy="async", async_train_cells=1)
     assert result["switches"] == []
     trained = {cell for m in result["steps"] for cell in m["trained_by_cell"]}
     assert trained == {"cell-0"}
@@ -106,7 +106,7 @@ def test_async_never_switches_and_trains_on_its_fixed_cells(runtime) -> None:
 
 def test_eta0_stays_on_policy(runtime) -> None:
     rt, folder = runtime
-    result = _run(runtime, 2, "e0-", staleness=0)
+    result = _run(runtime, 2, "e0.", staleness=0)
     steps, trace = result["steps"], result["trace"]
     v0 = steps[0]["version"] - 1
     first = steps[0]["published_at_s"]
