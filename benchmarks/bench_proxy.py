@@ -356,7 +356,7 @@ async def run_all(handle: Any, args: argparse.Namespace, factory: Any, config: A
         breakdown = {"ingress_alone": await ingress_alone(clients, key, args.baseline_calls)}
         unloaded_phase = await unloaded(clients, admin, args.unloaded_sessions, args.turns, args.max_tokens)
         breakdown["cell_hop"] = await cell_hop(
-            next(iter(handle._pool.actors.values())), args.baseline_calls, args.max_tokens
+            next(iter(handle.cell_actors().values())), args.baseline_calls, args.max_tokens
         )
         if factory is not None:
             breakdown["in_process_app"] = await in_process_app(
@@ -395,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="ERROR")
     records = tempfile.mkdtemp(prefix="bench-proxy-")
     overrides = [
-        "proxy.num_cells=2",
-        "proxy.cpus_per_cell=0.5",
+        "cells.num_cells=2",
+        "cells.cpus_per_cell=0.5",
         "proxy.port=0",
         f"proxy.records_dir={records}",
         f"proxy.store_max_records={args.sessions * args.turns * 4}",

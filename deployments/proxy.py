@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from gyre_ray.config import load_config
-from gyre_ray.proxy.launch import start_backends
 from gyre_ray.proxy.serve_app import proxy_application
+from gyre_ray.runtime.cluster import start_backends
 
 
 def app_builder(args: dict[str, Any]) -> Any:

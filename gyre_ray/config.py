@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from gyre_ray.agents.config import AgentSection
 from gyre_ray.algo.config import AlgoSection
+from gyre_ray.cells.config import CellsSection
 from gyre_ray.configbase import Section
 from gyre_ray.engines.config import EngineSection
 from gyre_ray.model.config import ModelSection
@@ -57,6 +58,7 @@ class GyreConfig(Section):
         default_factory=TransferSection,
         description="What moves between cells (weights, gradients, KV), and how.",
     )
+    cells: CellsSection = Field(default_factory=CellsSection, description="Cells (placement groups).")
 
 
 class ConfigError(ValueError):

@@ -1,13 +1,12 @@
 """The training job: `gyre-ray train --config jobs/configs/toy.yaml [overrides]`.
 
-It builds dual-role cells (cell 0 is the core: authoritative weights and optimizer state), the
-proxy in front of them, and runs RL steps. In each step the scheduler policy (`scheduler.policy`:
-elastic, colocate or async, the same objects the simulator drives) launches a group of executions
-per task through the proxy, moves cells between rollout and training while agents keep running,
-and trainers claim the micro-batches of each finished group (records -> prefix trees -> budgeted,
-packed samples with group-normalised advantages). The core sums the gradients, steps once (scaled
-by the number of executions) and every cell rolls out the new version. Everything lands in a run
-folder: config, call records, metrics, summary, workspaces and the core's checkpoint.
+The driver is thin: config -> `Runtime.start` (cells, store, proxy, the `scheduler` actor) ->
+`scheduler.run(steps)` -> stream progress and per-step metrics -> save. The scheduler actor
+(`gyre_ray.runtime.scheduler`) runs the whole run: it launches every step's executions while the
+staleness bound allows, moves cells between rollout and training by the configured policy (the same
+objects the simulator drives), trains each batch's micro-batches as its groups end and publishes
+each update to every cell. Everything lands in a run folder: config, call records, metrics,
+summary, trace.jsonl, costs.json, workspaces and the core's checkpoint.
 """
 
 from __future__ import annotations
@@ -45,80 +44,75 @@ def new_run_dir(cfg: GyreConfig) -> Path:
     return run_dir
 
 
-def connect_ray(cfg: GyreConfig) -> None:
-    """Join the cluster under `ray job submit` (RAY_ADDRESS is set), else start a private local Ray."""
-    import logging
+def train(cfg: GyreConfig, *, engine_factory: Any = None, execute: Any = None) -> dict[str, Any]:
+    """Run `cfg.run.steps` RL steps end to end and return the run summary (also saved as summary.json).
 
+    Thin: config -> runtime -> `scheduler.run(steps)` -> stream progress and per-step metrics -> save.
+    `engine_factory` / `execute` (an execution runner with `run_planned_execution`'s signature) are
+    for tests and benchmarks.
+    """
     import ray
 
-    from gyre_ray.proxy.launch import local_ray_cpus
-
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the job prints its own progress
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level="WARNING")
-    else:
-        ray.init(
-            address="local",
-            num_cpus=local_ray_cpus(cfg.proxy),
-            include_dashboard=False,
-            logging_level="WARNING",
-        )
-
-
-def train(cfg: GyreConfig) -> dict[str, Any]:
-    """Run `cfg.run.steps` RL steps end to end and return the run summary (also saved as summary.json)."""
-    import ray
-
-    from gyre_ray.agents.launch import plan_step
-    from gyre_ray.elastic.launch import start_elastic_proxy
-    from gyre_ray.elastic.step import cell_actors, run_elastic_step
-    from gyre_ray.envs.base import get_task_set
-    from gyre_ray.model import load_tokenizer_and_args
     from gyre_ray.observability.metrics import MetricsLogger
-    from gyre_ray.scheduling.runtime import Costs
+    from gyre_ray.observability.progress import Progress
+    from gyre_ray.runtime.cluster import Runtime
+    from gyre_ray.runtime.report import write_costs, write_trace
 
     run_dir = new_run_dir(cfg)
     cfg = cfg.model_copy(
         update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})}
     )
     print(f"gyre-ray: run folder {run_dir}", flush=True)
-    tokenizer, args = load_tokenizer_and_args(cfg.model)
-    tasks = get_task_set(cfg.agents.task_set)
-    connect_ray(cfg)
-    proxy = start_elastic_proxy(cfg)
+    options = {"run_dir": str(run_dir), "execute": execute}
+    runtime = Runtime.start(cfg, engine_factory, scheduler_options=options)
     print(
-        f"gyre-ray: proxy at {proxy.base_url}; {len(proxy.cell_ids)} dual-role cells "
-        f"({proxy.cell_ids[0]} is the core); scheduler policy {cfg.scheduler.policy}",
+        f"gyre-ray: proxy at {runtime.proxy.base_url}; {len(runtime.cells)} dual-role cells "
+        f"({runtime.core_id} is the core) in Ray namespace {runtime.namespace}; scheduler policy "
+        f"{cfg.scheduler.policy}, staleness bound {cfg.scheduler.staleness}",
         flush=True,
     )
     logger = MetricsLogger(run_dir, run_dir.name, json.loads(cfg.model_dump_json()), cfg.run.wandb_mode)
     steps: list[dict[str, Any]] = []
-    costs: Costs | None = None
     try:
-        for step in range(cfg.run.steps):
-            planned = plan_step(step, tasks, cfg.run.tasks_per_step, cfg.algo.group_size)
-            metrics = run_elastic_step(
-                proxy,
-                planned,
-                cfg,
-                run_dir / "workspaces",
-                decode=tokenizer.decode,
-                vocab_size=args.vocab_size,
-                costs=costs,
-            )
-            costs = Costs(**metrics["costs"])  # measured switch and micro-step costs inform the next step
-            logger.log(step, metrics)
-            steps.append(metrics)
-            print(f"gyre-ray: step {step}: {format_step(metrics)}", flush=True)
-        core = cell_actors(proxy)[proxy.cell_ids[0]]
-        checkpoint = ray.get(core.save.remote(str(run_dir / "checkpoint")), timeout=600)
+        scheduler = runtime.scheduler
+        done = scheduler.run.remote(cfg.run.steps)
+        with Progress("run", total=cfg.run.steps) as progress:
+            while True:
+                finished, _ = ray.wait([done], timeout=1.0)
+                for metrics in ray.get(scheduler.metrics_since.remote(len(steps)), timeout=60):
+                    logger.log(metrics["step"], metrics)
+                    steps.append(metrics)
+                    print(f"gyre-ray: step {metrics['step']}: {format_step(metrics)}", flush=True)
+                snapshot = ray.get(scheduler.progress.remote(), timeout=60)
+                progress.update(len(steps), note=_progress_note(snapshot))
+                if finished:
+                    break
+        result = ray.get(done)
+        write_trace(run_dir, result["trace"])
+        write_costs(run_dir, result["costs"])
+        checkpoint = ray.get(runtime.core.save.remote(str(run_dir / "checkpoint")), timeout=600)
     finally:
         logger.close()
-        proxy.shutdown()
-        ray.shutdown()
-    summary = {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "steps": steps}
+        runtime.shutdown()
+    summary = {
+        "run_dir": str(run_dir),
+        "checkpoint": str(checkpoint),
+        "steps": result["steps"],
+        "costs": result["costs"],
+        "utilisation": result["utilisation"],
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _progress_note(snapshot: dict[str, Any]) -> str:
+    if not snapshot.get("started"):
+        return "starting"
+    training = sum(p != "rollout" for p in snapshot["phases"].values())
+    return (
+        f"{snapshot['running']} executions running, {snapshot['ended']}/{snapshot['executions']} ended, "
+        f"{training}/{len(snapshot['phases'])} cells training or switching"
+    )
 
 
 def format_step(m: dict[str, Any]) -> str:
@@ -137,6 +131,13 @@ def format_step(m: dict[str, Any]) -> str:
     switches = m.get("switches", [])
     if switches:
         text += f"; {len(switches)} role switches"
+    stale = m.get("staleness")
+    if stale:
+        text += (
+            f"; trained-token staleness max {stale['max']} mean {stale['mean']:.2f}; overlap {m['overlap_s']:.1f} s "
+            f"(rollout of later steps ran while this step trained; {m['later_executions_started']} of their "
+            "executions had started)"
+        )
     return text
 
 
@@ -146,4 +147,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     run_dir = summary["run_dir"]
     lines.append(f"  run folder: {run_dir} (records/, metrics.jsonl, summary.json, workspaces/)")
     lines.append(f"  checkpoint: {summary['checkpoint']} (HF folder + optimizer state)")
+    costs = summary.get("costs")
+    if costs:
+        lines.append(
+            f"  makespan {costs['makespan_s']:.1f} s; trace.jsonl and costs.json in the run folder "
+            f"(`gyre-ray simulate --trace {run_dir}` replays them)"
+        )
     return "\n".join(lines)

@@ -18,8 +18,8 @@ from gyre_ray.cli import build_parser
 
 
 def test_serve_is_a_registered_command():
-    args = build_parser().parse_args(["serve", "--scripted", "proxy.num_cells=3"])
-    assert args.handler.__module__ == "gyre_ray.proxy.cli" and args.overrides == ["proxy.num_cells=3"]
+    args = build_parser().parse_args(["serve", "--scripted", "cells.num_cells=3"])
+    assert args.handler.__module__ == "gyre_ray.proxy.cli" and args.overrides == ["cells.num_cells=3"]
 
 
 def _first_json_line(process: subprocess.Popen, timeout_s: float) -> dict:
@@ -44,8 +44,8 @@ def test_gyre_ray_serve_prints_its_address_serves_and_shuts_down(tmp_path):
         "gyre_ray.cli",
         "serve",
         "--scripted",
-        "proxy.num_cells=1",
-        "proxy.cpus_per_cell=0.5",
+        "cells.num_cells=1",
+        "cells.cpus_per_cell=0.5",
         "proxy.port=0",
         f"proxy.records_dir={tmp_path}",
     ]

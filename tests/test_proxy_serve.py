@@ -37,8 +37,8 @@ def served(tmp_path_factory):
     config = load_config(
         None,
         [
-            "proxy.num_cells=2",
-            "proxy.cpus_per_cell=0.5",
+            "cells.num_cells=2",
+            "cells.cpus_per_cell=0.5",
             "proxy.port=0",
             f"proxy.records_dir={records}",
             f"proxy.max_output_tokens={MAX_TOKENS}",

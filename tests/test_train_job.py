@@ -1,6 +1,7 @@
-"""The training job end to end on the embedded default: local Ray, two dual-role cells behind the proxy,
-the toy harness, the elastic scheduler, tree processing, one GSPO step per RL step on the core, and the
-new weights rolled out by every cell."""
+"""The training job end to end on the embedded default, on-policy (`scheduler.staleness=0`): local Ray,
+two dual-role cells behind the proxy, the scheduler actor, the toy harness, the elastic policy, tree
+processing, one GSPO step per RL step on the core, the new weights rolled out by every cell, and the
+run's trace.jsonl / costs.json."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from gyre_ray.config import load_config
 from gyre_ray.model.checkpoint import load_hf
+from gyre_ray.runtime.report import COST_KEYS
 from gyre_ray.train import format_summary, train
 from gyre_ray.trajectory.records import read_jsonl
 
@@ -28,6 +30,7 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "run.tasks_per_step=1",
             "algo.group_size=3",
             "run.wandb_mode=disabled",
+            "scheduler.staleness=0",
         ],
     )
     return train(cfg)
@@ -41,9 +44,10 @@ def test_every_step_trains_on_scored_executions(summary: dict) -> None:
         assert step["paths_selected"] <= 5 * 3 < step["paths_total"]  # the budget of 5 bites
         assert step["tokens_packed_selected"] < step["tokens_expanded_all"]
         assert step["version"] == index + 1
-        # Elastic: cells switched to training and back while the step ran; every micro-batch was trained.
-        assert {e["direction"] for e in step["switches"]} == {"rollout->train", "train->rollout"}
+        # Elastic: a cell switched to training in every step; every micro-batch was trained.
+        assert "rollout->train" in {e["direction"] for e in step["switches"]}
         assert sum(step["trained_by_cell"].values()) == step["micro_batches"] > 0
+        assert step["staleness"]["max"] == 0 and step["later_executions_started"] == 0
         # Engine behaviour logprobs equal the trainer's recomputation on the same weights.
         assert step["logprob_gap_max"] < 1e-4
     # Step 0's task ("vowels") gives graded rewards, so its advantages, and gradient, are non-zero.
@@ -68,5 +72,15 @@ def test_run_folder_holds_metrics_summary_and_a_loadable_checkpoint(summary: dic
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == summary["steps"]
     model, args = load_hf(summary["checkpoint"])
     assert args.vocab_size > 0 and sum(p.numel() for p in model.parameters()) > 0
+    trace = [json.loads(line) for line in (run_dir / "trace.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in trace) == [0, 0, 0, 1, 1, 1]
+    assert all(
+        {"start", "end", "task", "timed_out", "exec_id", "calls", "tokens", "version"} <= set(r)
+        for r in trace
+    )
+    assert all(r["calls"] == 8 and r["tokens"] > 0 and r["version"] == r["step"] for r in trace)
+    costs = json.loads((run_dir / "costs.json").read_text())
+    assert tuple(costs) == COST_KEYS and costs["cells"] == 2 and costs["makespan_s"] > 0
+    assert costs["micro_step_s"] > 0 and costs["train_cell_s_per_execution"] > 0
     text = format_summary(summary)
     assert "2 step(s) done" in text and str(run_dir) in text

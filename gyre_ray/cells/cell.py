@@ -162,6 +162,10 @@ class RolloutCell:
         """Take requests again."""
         self.draining = False
 
+    def is_draining(self) -> bool:
+        """The cell's own drain flag: the one truth every proxy replica routes by."""
+        return self.draining
+
     def close(self) -> None:
         """Stop the engine's background work, if it has any (the torch engine's loop thread)."""
         shutdown = getattr(self.engine, "shutdown", None)

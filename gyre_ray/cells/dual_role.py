@@ -1,21 +1,22 @@
 """A dual-role cell: a `RolloutCell` that also holds a trainer replica and switches between the two roles.
 
-One role is active at a time. The switch protocol (the caller, e.g. `gyre_ray.elastic.step`, drives it):
+One role is active at a time. The switch protocol (the scheduler, `gyre_ray.runtime.scheduler`, drives it):
 
-    proxy.drain(cell)                  # the proxy stops routing here; in-flight requests move with their KV
+    cell.drain()                       # every proxy replica stops routing here; in-flight requests move with their KV
     cell.to_training(weights, v)       # engine releases memory, trainer loads weights v (core: keeps its own)
     cell.train(micro_batch) ...        # forward/backward, gradients *summed* (any number of calls)
     cell.export_grads()                # satellite: hand the sum to the core (and zero it here)
     cell.to_rollout(weights, v)        # trainer drops nothing un-exported; engine resumes and loads weights v
-    proxy.undrain(cell)
+    cell.undrain()
 
-Cell 0 is the **core**: it owns the authoritative weights and the optimizer state. It imports the
-satellites' gradients (`import_grads`), steps once (`optimizer_step(scale)`, scale = 1 / executions)
+The **core** (the cell the runtime names, `is_core=True`) owns the authoritative weights and the
+optimizer state. It imports the satellites' gradients (`import_grads`), steps once (`optimizer_step(scale)`, scale = 1 / executions)
 and its `state_dict()` is what everyone loads next. The core keeps its accumulated gradients across
 role switches (it is the step's accumulator); a satellite refuses to go back to rollout holding
 gradients it has not exported, so no work can be lost silently. Trainer operations are serialised by a
-lock, so an `import_grads` never races a backward pass. Plain Python: Ray wraps it in
-`gyre_ray.elastic.launch`, tests also run it in-process.
+lock, so an `import_grads` never races a backward pass. `switch_to_training` / `switch_to_rollout` do the
+drain / undrain on the cell itself (its flag is what every proxy replica routes by). Plain Python: Ray
+wraps it in `gyre_ray.cells.pool`, tests also run it in-process.
 """
 
 from __future__ import annotations
@@ -64,13 +65,13 @@ class DualRoleCell(RolloutCell):
         engine_factory: EngineFactory,
         trainer_factory: TrainerFactory,
         torch_threads: int | None = None,
-        is_core: bool | None = None,
+        is_core: bool = False,
         stream_interval_s: float = 0.0,
     ) -> None:
         super().__init__(cell_id, engine_factory, torch_threads, stream_interval_s)
         self.trainer_factory = trainer_factory
         self.trainer: Trainer | None = None
-        self.is_core = cell_id.endswith("-0") if is_core is None else is_core
+        self.is_core = is_core  # the runtime says which cell is the core
         self._role = ROLLOUT
         self._lock = asyncio.Lock()
         self._trained = 0  # micro-batches trained here since the last export (or optimizer step)
@@ -156,6 +157,55 @@ class DualRoleCell(RolloutCell):
         await engine.update_weights(weights, version)
         self._role = ROLLOUT
         return {"seconds": time.perf_counter() - started, "version": version}
+
+    async def switch_to_training(
+        self, weights: dict[str, Any] | None, version: int, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
+        """Drain (this cell's own flag, which every proxy replica routes by), then `to_training`.
+
+        Returns `to_training`'s result plus `migrated` (requests exported) and `drain_s`.
+        """
+        started = time.perf_counter()
+        migrated = await self.drain()
+        drain_s = time.perf_counter() - started
+        result = await self.to_training(weights, version, timeout_s)
+        result.update(migrated=migrated, drain_s=drain_s, seconds=time.perf_counter() - started)
+        return result
+
+    async def switch_to_rollout(
+        self, weights: dict[str, Any] | None, version: int, discard_grads: bool = False
+    ) -> dict[str, Any]:
+        """`to_rollout`, then undrain: every proxy replica routes here again once it reads the flag."""
+        result = await self.to_rollout(weights, version, discard_grads)
+        await self.undrain()
+        return result
+
+    async def load_and_undrain(self, weights: dict[str, Any] | None, version: int) -> dict[str, Any]:
+        """A cell back in rollout: load `weights` (the version published during its switch) if given, then undrain."""
+        if weights is not None:
+            await self._engine().update_weights(weights, version)
+        await self.undrain()
+        return {"version": self._engine().stats().get("version")}
+
+    async def load_trainer_weights(self, weights: dict[str, Any], version: int) -> dict[str, Any]:
+        """A training satellite takes the newly published version before its next micro-step."""
+        started = time.perf_counter()
+        if self.is_core:
+            raise RuntimeError(f"core {self.cell_id} owns the weights; it does not load them")
+        trainer = self._trainer()
+        async with self._lock:
+            if self._trained:
+                raise RuntimeError(
+                    f"satellite {self.cell_id} holds gradients of {self._trained} micro-batch(es) "
+                    "of the previous version: export them first"
+                )
+            await asyncio.to_thread(trainer.load_state_dict, weights, version)
+        return {"seconds": time.perf_counter() - started, "version": version}
+
+    def versions(self) -> dict[str, Any]:
+        """Role, the trainer's version and the engine's version."""
+        engine = self.engine.stats().get("version") if self.engine is not None else None
+        return {"role": self._role, "trainer": self._trainer().version, "engine": engine}
 
     # ---- training -------------------------------------------------------------------------------
     async def train(self, batch: MicroBatch) -> dict[str, Any]:

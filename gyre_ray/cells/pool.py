@@ -24,17 +24,22 @@ class CellSpec:
     torch_threads: int
 
 
-def plan_cells(num_cells: int, cpus_per_cell: float, prefix: str = "gyre-cell") -> list[CellSpec]:
-    """One single-bundle placement group per cell; torch threads = whole CPUs of the bundle (>= 1)."""
+def plan_cells(
+    num_cells: int, cpus_per_cell: float, prefix: str = "cell", gpus_per_cell: float = 0.0
+) -> list[CellSpec]:
+    """One single-bundle placement group per cell ({"CPU": c} plus {"GPU": g} when g > 0); torch
+    threads = whole CPUs of the bundle (>= 1). Actor names are `<prefix>-<i>`."""
     if num_cells < 1:
         raise ValueError(f"num_cells must be >= 1, got {num_cells}")
     if not cpus_per_cell > 0:
         raise ValueError(f"cpus_per_cell must be > 0, got {cpus_per_cell}")
+    if gpus_per_cell < 0:
+        raise ValueError(f"gpus_per_cell must be >= 0, got {gpus_per_cell}")
     threads = max(1, math.floor(cpus_per_cell))
-    return [
-        CellSpec(f"cell-{i}", f"{prefix}-{i}", [{"CPU": float(cpus_per_cell)}], threads)
-        for i in range(num_cells)
-    ]
+    bundle = {"CPU": float(cpus_per_cell)}
+    if gpus_per_cell > 0:
+        bundle["GPU"] = float(gpus_per_cell)
+    return [CellSpec(f"cell-{i}", f"{prefix}-{i}", [dict(bundle)], threads) for i in range(num_cells)]
 
 
 @dataclass
@@ -60,31 +65,33 @@ class CellPool:
         num_cells: int,
         engine_factory: EngineFactory,
         cpus_per_cell: float = 1.0,
-        prefix: str = "gyre-cell",
+        prefix: str = "cell",
         timeout_s: float = 300.0,
         namespace: str | None = None,
         detached: bool = False,
         stream_interval_s: float = 0.0,
         trainer_factory: TrainerFactory | None = None,
+        gpus_per_cell: float = 0.0,
+        core_index: int = 0,
     ) -> CellPool:
         """Reserve the groups, start one cell actor in each and wait until every engine is built.
 
         `detached`: groups and actors outlive the calling process (Serve app builders).
         `stream_interval_s`: see `RolloutCell`.
-        `trainer_factory`: start `DualRoleCell`s (rollout or training; the first cell is the core).
+        `trainer_factory`: start `DualRoleCell`s (rollout or training; cell `core_index` is the core).
         """
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        pool = cls(plan_cells(num_cells, cpus_per_cell, prefix), namespace=namespace)
+        pool = cls(plan_cells(num_cells, cpus_per_cell, prefix, gpus_per_cell), namespace=namespace)
         actor_cls = ray.remote(RolloutCell if trainer_factory is None else DualRoleCell)
         try:
             for spec in pool.specs:
                 group = placement_group(
                     spec.bundles,
                     strategy="PACK",
-                    name=f"{spec.actor_name}-pg",
+                    name=f"{namespace or 'gyre'}-{spec.actor_name}-pg",
                     lifetime="detached" if detached else None,
                 )
                 pool.groups[spec.cell_id] = group
@@ -97,7 +104,7 @@ class CellPool:
                         engine_factory,
                         trainer_factory,
                         spec.torch_threads,
-                        index == 0,
+                        index == core_index,
                         stream_interval_s,
                     )
                 strategy = PlacementGroupSchedulingStrategy(
@@ -107,6 +114,7 @@ class CellPool:
                     name=spec.actor_name,
                     namespace=namespace,
                     num_cpus=spec.bundles[0]["CPU"],
+                    num_gpus=spec.bundles[0].get("GPU", 0.0),
                     scheduling_strategy=strategy,
                     max_concurrency=1000,
                     lifetime="detached" if detached else None,

@@ -1,6 +1,6 @@
 """`gyre-ray serve`: start a local Ray, N rollout cells and the proxy; print one JSON line; serve until stopped.
 
-    gyre-ray serve [--config FILE] [--scripted] [proxy.num_cells=2 ...]
+    gyre-ray serve [--config FILE] [--scripted] [cells.num_cells=2 ...]
 
 The JSON line holds `base_url`, `openai_base_url`, `admin_token`, `cells` and `records_dir`. Ctrl-C or
 SIGTERM shuts everything down cleanly. `--scripted` serves the model-free ScriptedEngine (fast start,
@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--config", default=None, help="YAML config file")
     parser.add_argument("--scripted", action="store_true", help="serve the model-free scripted engine")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. proxy.num_cells=2")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cells.num_cells=2")
     parser.set_defaults(handler=_serve)
 
 

@@ -43,6 +43,9 @@ class LocalCellClient:
     async def undrain(self) -> None:
         await self.cell.undrain()
 
+    async def is_draining(self) -> bool:
+        return self.cell.is_draining()
+
     async def status(self) -> dict[str, Any]:
         return self.cell.status()
 
@@ -76,6 +79,9 @@ class RayCellClient:
 
     async def undrain(self) -> None:
         await self.actor.undrain.remote()
+
+    async def is_draining(self) -> bool:
+        return await self.actor.is_draining.remote()
 
     async def status(self) -> dict[str, Any]:
         return await self.actor.status.remote()

@@ -1,4 +1,4 @@
-"""Config section `proxy`: the agent-facing HTTP API, its limits, its cells and its trajectory store."""
+"""Config section `proxy`: the agent-facing HTTP API, its limits and its trajectory store (cells: `cells`)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ class ProxySection(Section):
         gt=0,
         description="How long a call waits for a free per-execution slot or a routable cell before a 429/503.",
     )
-    num_cells: int = Field(
-        2, ge=1, description="Rollout cells `gyre-ray serve` starts (one placement group each)."
+    num_replicas: int = Field(
+        1, ge=1, description="Proxy (Serve) replicas; each reads the cells' own drain state (drain_poll_s)."
     )
-    cpus_per_cell: float = Field(
-        1.0, gt=0, description="CPUs reserved by each cell's placement group bundle."
+    drain_poll_s: float = Field(
+        0.05,
+        gt=0,
+        description="How often a replica re-reads every cell's drain state (a cell's own flag is the truth).",
     )
-    num_replicas: int = Field(1, ge=1, description="Proxy (Serve) replicas; routing state is per replica.")
     stream_interval_s: float = Field(
         0.01,
         ge=0,

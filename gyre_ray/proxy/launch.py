@@ -1,35 +1,31 @@
-"""Start the proxy stack from Python: local Ray (if needed), the store, N rollout cells, Ray Serve.
+"""The agent proxy on Ray Serve: deploy it in front of running cells, and its admin API as Python calls.
 
-    handle = start_proxy(load_config("jobs/configs/toy.yaml"))
+    handle = start_proxy(load_config("jobs/configs/toy.yaml"))   # a whole runtime of rollout-only cells
     key = handle.register_execution()["api_key"]     # then point a harness at handle.base_url
     records = handle.records(execution_id)           # list[CallRecord]
     handle.shutdown()
 
+`serve_proxy` only deploys the Serve app over cells and a store that already run (the run's owner,
+`gyre_ray.runtime.cluster.Runtime`, starts those). `start_proxy` is the convenience `gyre-ray serve` and
+tests use: a `Runtime` with rollout-only cells, returned as its proxy handle (shutting it down stops all).
 `engine_factory` defaults to the configured policy behind the configured engine backend; tests
-pass a `ScriptedEngineFactory`. `gyre-ray serve` is a thin CLI over this.
+pass a `ScriptedEngineFactory`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
-import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from gyre_ray.cells.cell import EngineFactory
 from gyre_ray.config import GyreConfig
-from gyre_ray.proxy.config import ProxySection
 from gyre_ray.trajectory.records import CallRecord
-
-NAMESPACE = "gyre-ray"
 
 
 @dataclass
@@ -41,11 +37,9 @@ class ProxyHandle:
     cell_ids: list[str]
     records_dir: str
     app_name: str
-    _pool: Any = None
-    _store: Any = None
-    _owns_ray: bool = False
-    _http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120.0))
     serve_url: str = ""  # Serve's HTTP proxy in front of the same app ("" when unknown)
+    owner: Any = None  # the Runtime that started the cells behind it
+    _http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120.0))
 
     @property
     def openai_base_url(self) -> str:
@@ -79,7 +73,7 @@ class ProxyHandle:
         return self._admin("POST", f"/gyre/executions/{execution_id}/finish").json()["records_path"]
 
     def drain(self, cell_id: str) -> int:
-        """Take a cell out of routing, moving its in-flight calls; returns how many moved."""
+        """Drain a cell (its own flag; every replica follows it), moving its in-flight calls; returns how many moved."""
         return self._admin("POST", f"/gyre/cells/{cell_id}/drain").json()["migrated"]
 
     def undrain(self, cell_id: str) -> None:
@@ -92,29 +86,25 @@ class ProxyHandle:
         return self._admin("GET", "/gyre/stats").json()
 
     def cell_actors(self) -> dict[str, Any]:
-        """The cell actors by cell id, in pool order (the core first)."""
-        return {cell_id: self._pool.actors[cell_id] for cell_id in self.cell_ids}
+        """The cell actors by cell id, in pool order."""
+        if self.owner is None:
+            raise RuntimeError("this proxy handle has no runtime: its cells are not known here")
+        return self.owner.cells
 
-    def shutdown(self) -> None:
-        """Delete the Serve app, kill the cells and the store; stop Ray if this handle started it."""
-        import ray
+    def close(self) -> None:
+        """Delete the Serve app (the cells and store stay; their owner stops them)."""
         from ray import serve
 
         self._http.close()
         with contextlib.suppress(Exception):  # Serve already gone
             serve.delete(self.app_name)
-        if self._pool is not None:
-            self._pool.shutdown()
-        if self._store is not None:
-            ray.kill(self._store, no_restart=True)
-        if self._owns_ray:
-            serve.shutdown()
-            ray.shutdown()
 
-
-def local_ray_cpus(section: ProxySection) -> int:
-    """CPUs a private local Ray declares: the machine's, and at least what the cells' bundles reserve."""
-    return max(os.cpu_count() or 1, math.ceil(section.num_cells * section.cpus_per_cell))
+    def shutdown(self) -> None:
+        """Stop everything the proxy's runtime started (or just the app when it has none)."""
+        if self.owner is not None:
+            self.owner.shutdown()
+        else:
+            self.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -123,133 +113,68 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def start_backends(
+def serve_proxy(
     config: GyreConfig,
-    engine_factory: EngineFactory | None = None,
+    settings: dict[str, Any],
+    cell_ids: list[str],
     *,
-    trainer_factory: Any = None,
-    admin_token: str | None = None,
-    detached: bool = False,
+    app_name: str = "gyre-proxy",
     timeout_s: float = 300.0,
-) -> tuple[dict[str, Any], Any, Any]:
-    """Start the trajectory store and the cells (named actors); return (deployment settings, pool, store).
+) -> ProxyHandle:
+    """Deploy the Serve proxy over running cells and store (`settings` from `start_backends`); wait until healthy.
 
-    `trainer_factory`: the cells are dual-role (rollout or training); `detached`: the actors outlive
-    the calling process (for `serve run` / `serve deploy` builders).
+    With `proxy.direct_ingress` (and one replica) `base_url` is the replica's own HTTP port when
+    Serve runs with direct ingress (this function turns it on when it starts Serve), else Serve's
+    HTTP proxy; `serve_url` is always Serve's HTTP proxy (on `proxy.port`), which serves the same app.
     """
-    from gyre_ray.cells.factories import PolicyEngineFactory
-    from gyre_ray.cells.pool import CellPool
-    from gyre_ray.proxy.store import create_store_actor
+    from ray import serve
+
+    from gyre_ray.proxy.serve_app import DIRECT_INGRESS_ENV, proxy_application
 
     section = config.proxy
-    if engine_factory is None:
-        engine_factory = PolicyEngineFactory(config.model.model_dump(), config.engine.model_dump())
-    tag = secrets.token_hex(3)
-    store_name = f"gyre-{tag}-store"
-    records_dir = str(Path(section.records_dir).resolve())
-    store = create_store_actor(records_dir, section.store_max_records, store_name, NAMESPACE, detached)
+    direct = section.direct_ingress and section.num_replicas == 1
+    settings = {**settings, "direct_ingress": direct}
+    port = section.port or free_port(section.host)
+    quiet = {"log_level": "WARNING", "enable_access_log": False}
+    # controller options only apply when this call starts Serve; a running Serve keeps its own
+    controller = {"runtime_env": {"env_vars": dict(DIRECT_INGRESS_ENV)}} if direct else None
+    serve.start(
+        http_options={"host": section.host, "port": port},
+        logging_config=quiet,
+        controller_options=controller,
+    )
+    serve.run(
+        proxy_application(settings),
+        name=app_name,
+        route_prefix="/",
+        blocking=False,
+        logging_config=quiet,
+    )
+    serve_url = _serve_base_url(section.host, port)
+    base_url = (_direct_ingress_url(app_name, section.host, serve_url) if direct else None) or serve_url
     try:
-        pool = CellPool.start(
-            section.num_cells,
-            engine_factory,
-            section.cpus_per_cell,
-            prefix=f"gyre-{tag}-cell",
-            timeout_s=timeout_s,
-            namespace=NAMESPACE,
-            detached=detached,
-            stream_interval_s=section.stream_interval_s,
-            trainer_factory=trainer_factory,
-        )
+        _wait_healthy(base_url, timeout_s)
     except BaseException:
-        import ray
-
-        ray.kill(store, no_restart=True)
+        with contextlib.suppress(Exception):
+            serve.delete(app_name)
         raise
-    settings = {
-        "proxy": section.model_dump(),
-        "model": config.model.model_dump(),
-        "namespace": NAMESPACE,
-        "cells": pool.actor_names,
-        "store": store_name,
-        "admin_token": admin_token or section.admin_token or secrets.token_urlsafe(24),
-        "records_dir": records_dir,
-    }
-    return settings, pool, store
+    return ProxyHandle(
+        base_url, settings["admin_token"], list(cell_ids), settings["records_dir"], app_name, serve_url
+    )
 
 
 def start_proxy(
     config: GyreConfig,
     engine_factory: EngineFactory | None = None,
     *,
-    trainer_factory: Any = None,
     app_name: str = "gyre-proxy",
     timeout_s: float = 300.0,
 ) -> ProxyHandle:
-    """Start store, cells and the Serve proxy; wait until it answers; return its handle.
+    """A runtime of rollout-only cells (no scheduler) behind the proxy; returns its proxy handle."""
+    from gyre_ray.runtime.cluster import Runtime
 
-    With `proxy.direct_ingress` (and one replica) `base_url` is the replica's own HTTP port when
-    Serve runs with direct ingress (this function turns it on when it starts Serve), else Serve's
-    HTTP proxy; `serve_url` is always Serve's HTTP proxy (on `proxy.port`), which serves the same app.
-    """
-    import ray
-    from ray import serve
-
-    from gyre_ray.proxy.serve_app import DIRECT_INGRESS_ENV, proxy_application
-
-    section = config.proxy
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        ray.init(
-            address="local",
-            num_cpus=local_ray_cpus(section),
-            include_dashboard=False,
-            logging_level="WARNING",
-        )
-    direct = section.direct_ingress and section.num_replicas == 1
-    pool = store = None
-    try:
-        settings, pool, store = start_backends(
-            config, engine_factory, trainer_factory=trainer_factory, timeout_s=timeout_s
-        )
-        settings["direct_ingress"] = direct
-        port = section.port or free_port(section.host)
-        quiet = {"log_level": "WARNING", "enable_access_log": False}
-        # controller options only apply when this call starts Serve; a running Serve keeps its own
-        controller = {"runtime_env": {"env_vars": dict(DIRECT_INGRESS_ENV)}} if direct else None
-        serve.start(
-            http_options={"host": section.host, "port": port},
-            logging_config=quiet,
-            controller_options=controller,
-        )
-        serve.run(
-            proxy_application(settings),
-            name=app_name,
-            route_prefix="/",
-            blocking=False,
-            logging_config=quiet,
-        )
-        serve_url = _serve_base_url(section.host, port)
-        base_url = (_direct_ingress_url(app_name, section.host, serve_url) if direct else None) or serve_url
-        _wait_healthy(base_url, timeout_s)
-    except BaseException:
-        if pool is not None:
-            pool.shutdown()
-        if store is not None:
-            ray.kill(store, no_restart=True)
-        if owns_ray:
-            ray.shutdown()
-        raise
-    return ProxyHandle(
-        base_url,
-        settings["admin_token"],
-        pool.cell_ids,
-        settings["records_dir"],
-        app_name,
-        pool,
-        store,
-        owns_ray,
-        serve_url=serve_url,
-    )
+    runtime = Runtime.start(config, engine_factory, dual_role=False, app_name=app_name, timeout_s=timeout_s)
+    return runtime.proxy
 
 
 def _serve_base_url(host: str, requested_port: int) -> str:

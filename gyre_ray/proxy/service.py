@@ -8,6 +8,7 @@ request and response shapes around it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 import uuid
@@ -70,6 +71,7 @@ class ProxyService:
         self._splices: dict[str, OrderedDict[str, tuple[str, list[int]]]] = {}
         self._pending: list[tuple[CallRecord, str | None]] = []  # records not yet handed to the store
         self._flush: asyncio.Handle | None = None
+        self._drain_watch: asyncio.Task | None = None
         self.counters = {
             "calls": 0,
             "migrations": 0,
@@ -122,7 +124,10 @@ class ProxyService:
         return path
 
     async def drain(self, cell_id: str) -> int:
-        """Take a cell out of routing and move its in-flight calls elsewhere; returns how many moved."""
+        """Drain a cell (its own flag) and move its in-flight calls elsewhere; returns how many moved.
+
+        Other replicas learn it from the cell within `drain_poll_s` (or from its refusal, sooner).
+        """
         self._check_cell(cell_id)
         self.router.drain(cell_id)
         return await self.cells[cell_id].drain()
@@ -131,6 +136,34 @@ class ProxyService:
         self._check_cell(cell_id)
         await self.cells[cell_id].undrain()
         self.router.undrain(cell_id)
+
+    async def refresh_drain_state(self) -> set[str]:
+        """Read every cell's own drain flag into this replica's router; returns the drained cells.
+
+        A cell that does not answer keeps the state this replica had for it.
+        """
+        ids = list(self.cells)
+        flags = await asyncio.gather(*(self.cells[c].is_draining() for c in ids), return_exceptions=True)
+        for cell_id, flag in zip(ids, flags, strict=True):
+            if flag is True:
+                self.router.drain(cell_id)
+            elif flag is False:
+                self.router.undrain(cell_id)
+        return set(self.router.drained)
+
+    def watch_drain_state(self) -> None:
+        """Start (once, on the running loop) the background task that keeps the router in step with the cells."""
+        loop = asyncio.get_running_loop()
+        watch = self._drain_watch
+        if watch is not None and not watch.done() and watch.get_loop() is loop:
+            return
+        self._drain_watch = loop.create_task(self._drain_loop())
+
+    async def _drain_loop(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a cell restarting: try again at the next tick
+                await self.refresh_drain_state()
+            await asyncio.sleep(self.section.drain_poll_s)
 
     async def cell_status(self) -> list[dict[str, Any]]:
         statuses = await asyncio.gather(*(client.status() for client in self.cells.values()))
@@ -265,6 +298,7 @@ class ProxyService:
 
     async def choose_cell(self, execution_id: str, exclude: set[str]) -> str:
         """A routable cell, waiting up to queue_timeout_s while none is (all drained), else 503."""
+        self.watch_drain_state()
         deadline = time.monotonic() + self.section.queue_timeout_s
         while True:
             cell = self.router.choose(execution_id, exclude)

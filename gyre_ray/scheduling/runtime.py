@@ -1,19 +1,23 @@
-"""The real system seen as a `SchedState`: the pure half of the Ray scheduler loop (`gyre_ray.elastic.step`).
+"""The real system seen as a `SchedState`: the pure half of the scheduler actor (`gyre_ray.runtime.scheduler`).
 
-The loop keeps plain bookkeeping (`CellView` per cell, an `ExecutionLedger` for the step's
-executions), turns it into the `SchedState` the simulator's policies read (`build_state`), calls
-the *same* policy object (`policy_from_section`: elastic, colocate or async) and applies its
-actions to Ray actors and the proxy. Every function here takes plain inputs and is tested without Ray.
+The actor keeps plain bookkeeping (a `CellView` per cell with its `CellPhase`, an `ExecutionLedger`
+for every execution of the run, the micro-batch queue of each batch), turns it into the `SchedState`
+the simulator's policies read (`build_state`), calls the *same* policy object (`policy_from_section`:
+elastic, colocate or async) and applies its actions to the cells. Everything here takes plain inputs
+and is tested without Ray.
 
-Mapping: one execution = demand 1; a cell hosts up to `capacity` executions; the executions of the
-step form batch `version` (on-policy step: `steps_total = version + 1`). The proxy routes calls by
-session affinity, so which cell *hosts* an execution is the ledger's bookkeeping (the policy's
-placement, and the migrations a switch implies), not the proxy's routing table.
+Mapping: one execution = demand 1; a rollout cell carries up to `capacity` executions; the executions
+of RL step b form batch b, trained into update b (version b -> b + 1); `policy_version` is the number
+of updates published (every rollout engine and training replica serves it). Executions of batch b may
+launch while b - policy_version <= eta (`staleness`), so several batches can be in flight at once.
+Which cell *hosts* an execution is the ledger's bookkeeping (the policy's placement, and the
+migrations a switch implies); the proxy routes calls by session affinity.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from gyre_ray.scheduling.base import Policy, make_policy
 from gyre_ray.scheduling.config import SchedulerSection
@@ -29,41 +33,71 @@ from gyre_ray.scheduling.state import (
 TICK = 1e-3  # a switch or micro-step that overran its estimate still ends "soon"
 
 
+class CellPhase(str, Enum):
+    """What a cell is doing: one of these at any time."""
+
+    ROLLOUT = "rollout"  # serving the proxy
+    TO_TRAIN = "to_train"  # draining, engine releasing memory, trainer loading weights
+    TRAIN_IDLE = "train_idle"  # a trainer with nothing claimed
+    TRAINING = "training"  # a micro-step in progress
+    TO_ROLLOUT = "to_rollout"  # exporting gradients, engine resuming and loading weights
+
+    @property
+    def role(self) -> Role:
+        """The role the cell has or is switching to (what the policy sees)."""
+        return Role.ROLLOUT if self in (CellPhase.ROLLOUT, CellPhase.TO_ROLLOUT) else Role.TRAIN
+
+
 @dataclass
 class CellView:
-    """One cell as the loop tracks it: role (or role it is switching to) and what it is doing."""
+    """One cell as the scheduler tracks it."""
 
     cell_id: str
     index: int
-    role: Role = Role.ROLLOUT
     capacity: float = 1.0
-    switching_since: float | None = None  # a switch into `role` is in progress since then
-    training_since: float | None = None  # a micro-step is in progress since then
+    phase: CellPhase = CellPhase.ROLLOUT
+    since: float = 0.0  # when the current phase began (seconds since the run started)
     return_requested: bool = False
+    is_core: bool = False
+
+    @property
+    def role(self) -> Role:
+        return self.phase.role
 
     @property
     def ready(self) -> bool:
-        return self.switching_since is None
+        """Not in the middle of a switch."""
+        return self.phase not in (CellPhase.TO_TRAIN, CellPhase.TO_ROLLOUT)
+
+    def enter(self, phase: CellPhase, now: float) -> None:
+        self.phase, self.since = phase, now
 
 
 @dataclass
 class ExecutionLedger:
-    """The step's executions: pending (in plan order), hosted (exec -> cell index), ended."""
+    """Every execution of the run: pending (in launch order), hosted (exec -> cell index), ended."""
 
-    total: int
+    batch_of: list[int]
     pending: list[int] = field(default_factory=list)
     hosted: dict[int, int] = field(default_factory=dict)
     launched_at: dict[int, float] = field(default_factory=dict)
+    launch_version: dict[int, int] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
 
     @classmethod
-    def planned(cls, count: int) -> ExecutionLedger:
-        return cls(total=count, pending=list(range(count)))
+    def planned(cls, batch_of: list[int]) -> ExecutionLedger:
+        """`batch_of[e]` is the batch (RL step) of execution e; executions launch in index order."""
+        return cls(batch_of=list(batch_of), pending=list(range(len(batch_of))))
 
-    def launch(self, exec_id: int, cell: int, now: float) -> None:
+    @property
+    def total(self) -> int:
+        return len(self.batch_of)
+
+    def launch(self, exec_id: int, cell: int, now: float, version: int = 0) -> None:
         self.pending.remove(exec_id)
         self.hosted[exec_id] = cell
         self.launched_at[exec_id] = now
+        self.launch_version[exec_id] = version
 
     def end(self, exec_id: int) -> None:
         self.hosted.pop(exec_id, None)
@@ -72,9 +106,9 @@ class ExecutionLedger:
     def on_cell(self, cell: int) -> list[int]:
         return [e for e, c in self.hosted.items() if c == cell]
 
-    @property
-    def unended(self) -> int:
-        return self.total - len(self.ended)
+    def unended(self, batch: int) -> int:
+        """Executions of `batch` that have not ended (launched or not)."""
+        return sum(1 for e, b in enumerate(self.batch_of) if b == batch and e not in self.ended)
 
 
 @dataclass(frozen=True)
@@ -89,25 +123,26 @@ class Costs:
 def build_state(
     now: float,
     version: int,
+    steps: int,
     staleness: int,
     cells: list[CellView],
     ledger: ExecutionLedger,
     queued_micro_batches: int,
     costs: Costs,
+    updating: bool = False,
 ) -> SchedState:
-    """The policy's view of one on-policy step of the real system."""
+    """The policy's view of the run: `version` updates published, `steps` in all, `queued_micro_batches`
+    of the trainable batch (batch `version`) waiting for a trainer."""
     loads: dict[int, int] = {}
     for cell in ledger.hosted.values():
         loads[cell] = loads.get(cell, 0) + 1
     states = []
     for c in cells:
         switching_until = None
-        if c.switching_since is not None:
+        if not c.ready:
             expected = costs.switch_to_train_s if c.role is Role.TRAIN else costs.switch_to_rollout_s
-            switching_until = max(now + TICK, c.switching_since + expected)
-        micro_until = None
-        if c.training_since is not None:
-            micro_until = max(now + TICK, c.training_since + costs.micro_step_s)
+            switching_until = max(now + TICK, c.since + expected)
+        micro_until = max(now + TICK, c.since + costs.micro_step_s) if c.phase is CellPhase.TRAINING else None
         load = loads.get(c.index, 0) if c.role is Role.ROLLOUT else 0
         states.append(
             CellState(
@@ -122,25 +157,29 @@ def build_state(
             )
         )
     in_flight = {
-        e: Execution(e, version, 1.0, cell, ledger.launched_at[e], version)
+        e: Execution(e, ledger.batch_of[e], 1.0, cell, ledger.launched_at[e], ledger.launch_version.get(e, 0))
         for e, cell in ledger.hosted.items()
     }
     by_cell: dict[int, dict[int, Execution]] = {}
     for e, ex in in_flight.items():
         by_cell.setdefault(ex.cell_id, {})[e] = ex
-    pending = [PendingExecution(e, version, 1.0) for e in ledger.pending]
+    pending = [PendingExecution(e, ledger.batch_of[e], 1.0) for e in ledger.pending]
+    demand: dict[int, float] = {}
+    for p in pending:
+        demand[p.batch] = demand.get(p.batch, 0.0) + 1.0
     return SchedState(
         now=now,
         policy_version=version,
-        steps_total=version + 1,
+        steps_total=steps,
         staleness=staleness,
         cells=tuple(states),
         in_flight=in_flight,
         in_flight_by_cell=by_cell,
         pending=ReadOnlySequence(pending),
-        pending_demand={version: float(len(pending))} if pending else {},
-        ready_work_s=queued_micro_batches * costs.micro_step_s,
-        unended_in_trainable=ledger.unended,
+        pending_demand=demand,
+        ready_work_s=0.0 if updating else queued_micro_batches * costs.micro_step_s,
+        unended_in_trainable=ledger.unended(version),
+        updating=updating,
         switch_to_train_s=costs.switch_to_train_s,
         switch_to_rollout_s=costs.switch_to_rollout_s,
     )
@@ -164,6 +203,11 @@ def migrate_executions(ledger: ExecutionLedger, leaving: int, cells: list[CellVi
     return moves
 
 
+def async_train_cells(section: SchedulerSection, num_cells: int) -> int:
+    """Training cells of the `async` split: `async_train_cells`, or half the cells (at least 1) when 0."""
+    return section.async_train_cells or max(1, num_cells // 2)
+
+
 def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
     """The policy object the simulator would build from the same `scheduler` section, for `num_cells` cells."""
     if section.policy == "elastic":
@@ -171,5 +215,5 @@ def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
             "elastic", repay_factor=section.elastic_repay_factor, prefetch=section.elastic_prefetch
         )
     if section.policy == "async":
-        return make_policy("async", train_cells=section.async_train_cells or max(1, num_cells // 2))
+        return make_policy("async", train_cells=async_train_cells(section, num_cells))
     return make_policy(section.policy)

@@ -1,4 +1,4 @@
-"""The streaming micro-batch queue of one training step: plain bookkeeping, no Ray.
+"""The streaming micro-batch queue of one batch (one update): plain bookkeeping, no Ray.
 
 Micro-batches arrive (as Ray object refs, or anything) as soon as a group of executions has ended
 and been processed; whichever training cell is free claims the next one; a claim is either trained

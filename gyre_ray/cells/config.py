@@ -1,0 +1,36 @@
+"""Config section `cells`: how many cells the run has and what each one reserves (one placement group each)."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import Field
+
+from gyre_ray.configbase import Section
+
+
+class CellsSection(Section):
+    """The run's cells: each is one placement group with one bundle {"CPU": cpus, "GPU": gpus}."""
+
+    num_cells: int = Field(2, ge=1, description="Cells the runtime starts (cell-0 is the core).")
+    cpus_per_cell: float = Field(1.0, gt=0, description="CPUs in each cell's placement-group bundle.")
+    gpus_per_cell: float = Field(
+        0.0, ge=0, description="GPUs in each cell's placement-group bundle (0 on a CPU machine)."
+    )
+    capacity: int = Field(
+        0,
+        ge=0,
+        description="Executions one rollout cell carries at once (the scheduler's slots); "
+        "0 = ceil(agents.max_parallel / num_cells).",
+    )
+
+    def bundle(self) -> dict[str, float]:
+        """The one bundle of each cell's placement group."""
+        bundle = {"CPU": float(self.cpus_per_cell)}
+        if self.gpus_per_cell > 0:
+            bundle["GPU"] = float(self.gpus_per_cell)
+        return bundle
+
+    def capacity_per_cell(self, max_parallel: int) -> int:
+        """Executions one rollout cell carries (`capacity`, or the parallel budget spread over the cells)."""
+        return self.capacity or max(1, math.ceil(max_parallel / self.num_cells))

@@ -1,0 +1,227 @@
+"""One owner for the cluster of a run: it starts, names and shuts down every long-lived actor.
+
+    runtime = Runtime.start(cfg)          # Ray (if needed), store, cells, Serve proxy, scheduler actor
+    runtime.scheduler                     # the `scheduler` actor (gyre_ray.runtime.scheduler)
+    runtime.cells["cell-0"], runtime.core_id
+    runtime.shutdown()
+
+In the run's Ray namespace (`runtime.namespace`) the cells are the named actors `cell-0`, `cell-1`, ...,
+the trajectory store is `store` and the scheduler is `scheduler`, so the Ray dashboard and tools find
+them. Each cell is one placement group with one bundle {"CPU": c, "GPU": g} from the `cells` section.
+The core is the cell this runtime names (`core_id`; cell-0 today), whatever the cells are called.
+A cell's drain flag lives in the cell; every proxy replica routes by it (`ProxyService.watch_drain_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.cells.cell import EngineFactory
+from gyre_ray.config import GyreConfig
+
+STORE_NAME = "store"
+SCHEDULER_NAME = "scheduler"
+
+
+def local_ray_cpus(config: GyreConfig) -> int:
+    """CPUs a private local Ray declares: the machine's, and at least what the cells' bundles reserve."""
+    cells = config.cells
+    return max(os.cpu_count() or 1, math.ceil(cells.num_cells * cells.cpus_per_cell))
+
+
+def connect_ray(config: GyreConfig) -> bool:
+    """Join the cluster under `ray job submit` (RAY_ADDRESS set), else start a private local Ray.
+
+    Returns True when this call started Ray (the caller then shuts it down). No-op if Ray is up.
+    """
+    import logging
+
+    import ray
+
+    if ray.is_initialized():
+        return False
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the job prints its own progress
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level="WARNING")
+    else:
+        gpus = math.ceil(config.cells.num_cells * config.cells.gpus_per_cell)
+        ray.init(
+            address="local",
+            num_cpus=local_ray_cpus(config),
+            num_gpus=gpus or None,
+            include_dashboard=False,
+            logging_level="WARNING",
+        )
+    return True
+
+
+def trainer_factory_for(config: GyreConfig) -> Any:
+    """The trainer replica every dual-role cell builds: the job's model, trainer and algo sections."""
+    from gyre_ray.cells.dual_role import TrainerFactory
+
+    return TrainerFactory(config.model.model_dump(), config.trainer.model_dump(), config.algo.model_dump())
+
+
+def start_backends(
+    config: GyreConfig,
+    engine_factory: EngineFactory | None = None,
+    *,
+    trainer_factory: Any = None,
+    namespace: str | None = None,
+    admin_token: str | None = None,
+    detached: bool = False,
+    timeout_s: float = 300.0,
+) -> tuple[dict[str, Any], Any, Any]:
+    """Start the store (`store`) and the cells (`cell-<i>`) in `namespace`; return (proxy settings, pool, store).
+
+    `trainer_factory`: the cells are dual-role; `detached`: actors outlive the caller (Serve builders).
+    """
+    from gyre_ray.cells.factories import PolicyEngineFactory
+    from gyre_ray.cells.pool import CellPool
+    from gyre_ray.proxy.store import create_store_actor
+
+    namespace = namespace or f"gyre-{secrets.token_hex(3)}"
+    if engine_factory is None:
+        engine_factory = PolicyEngineFactory(config.model.model_dump(), config.engine.model_dump())
+    records_dir = str(Path(config.proxy.records_dir).resolve())
+    store = create_store_actor(records_dir, config.proxy.store_max_records, STORE_NAME, namespace, detached)
+    cells = config.cells
+    try:
+        pool = CellPool.start(
+            cells.num_cells,
+            engine_factory,
+            cells.cpus_per_cell,
+            prefix="cell",
+            timeout_s=timeout_s,
+            namespace=namespace,
+            detached=detached,
+            stream_interval_s=config.proxy.stream_interval_s,
+            trainer_factory=trainer_factory,
+            gpus_per_cell=cells.gpus_per_cell,
+        )
+    except BaseException:
+        import ray
+
+        ray.kill(store, no_restart=True)
+        raise
+    settings = {
+        "proxy": config.proxy.model_dump(),
+        "model": config.model.model_dump(),
+        "namespace": namespace,
+        "cells": pool.actor_names,
+        "store": STORE_NAME,
+        "admin_token": admin_token or config.proxy.admin_token or secrets.token_urlsafe(24),
+        "records_dir": records_dir,
+    }
+    return settings, pool, store
+
+
+@dataclass
+class Runtime:
+    """Everything a run started: Ray (maybe), the store, the cells, the proxy, the scheduler actor."""
+
+    config: GyreConfig
+    namespace: str
+    pool: Any
+    store: Any
+    proxy: Any
+    core_id: str
+    scheduler: Any = None
+    owns_ray: bool = False
+    app_name: str = "gyre-proxy"
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def cells(self) -> dict[str, Any]:
+        """Cell actors by cell id, in pool order."""
+        return dict(self.pool.actors)
+
+    @property
+    def core(self) -> Any:
+        return self.pool.actors[self.core_id]
+
+    @classmethod
+    def start(
+        cls,
+        config: GyreConfig,
+        engine_factory: EngineFactory | None = None,
+        *,
+        dual_role: bool = True,
+        scheduler: bool = True,
+        namespace: str | None = None,
+        app_name: str = "gyre-proxy",
+        timeout_s: float = 300.0,
+        scheduler_options: dict[str, Any] | None = None,
+    ) -> Runtime:
+        """Start the run's cluster. `dual_role=False`: rollout-only cells and no scheduler (`gyre-ray serve`).
+
+        `scheduler_options`: keyword arguments of `RunScheduler` (run_dir, execute, ...).
+        """
+
+        from gyre_ray.proxy.launch import serve_proxy
+
+        owns_ray = connect_ray(config)
+        namespace = namespace or f"gyre-{config.run.name}-{secrets.token_hex(3)}"
+        trainer = trainer_factory_for(config) if dual_role else None
+        pool = store = proxy = None
+        try:
+            settings, pool, store = start_backends(
+                config, engine_factory, trainer_factory=trainer, namespace=namespace, timeout_s=timeout_s
+            )
+            proxy = serve_proxy(config, settings, pool.cell_ids, app_name=app_name, timeout_s=timeout_s)
+            runtime = cls(config, namespace, pool, store, proxy, pool.cell_ids[0], None, owns_ray, app_name)
+            proxy.owner = runtime
+            if dual_role and scheduler:
+                runtime.scheduler = runtime._start_scheduler(scheduler_options or {})
+        except BaseException:
+            _stop(pool, store, proxy, None, owns_ray)
+            raise
+        return runtime
+
+    def _start_scheduler(self, options: dict[str, Any]) -> Any:
+
+        from gyre_ray.runtime.scheduler import SchedulerActor
+
+        cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
+        return SchedulerActor.options(name=SCHEDULER_NAME, namespace=self.namespace).remote(
+            self.config.model_dump(mode="json"),
+            cell_names,
+            self.core_id,
+            self.namespace,
+            {"base_url": self.proxy.base_url, "admin_token": self.proxy.admin_token},
+            **options,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the scheduler, the proxy app, the cells and the store; stop Ray if this runtime started it."""
+        if self._closed:
+            return
+        self._closed = True
+        _stop(self.pool, self.store, self.proxy, self.scheduler, self.owns_ray)
+
+
+def _stop(pool: Any, store: Any, proxy: Any, scheduler: Any, owns_ray: bool) -> None:
+    import ray
+
+    if scheduler is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(scheduler, no_restart=True)
+    if proxy is not None:
+        proxy.close()
+    if pool is not None:
+        pool.shutdown()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            ray.kill(store, no_restart=True)
+    if owns_ray:
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,119 @@
+"""What a run reports: per-step staleness and overlap, the execution trace and the measured costs.
+
+Pure functions over plain data (tested without Ray). The files follow the contract the simulator
+reads (`gyre-ray simulate --trace RUN_DIR`, docs/scheduling.md):
+- `RUN_DIR/trace.jsonl`: one object per execution: start, end (seconds since the run started), task,
+  step, timed_out, exec_id, calls, tokens, trajectories, dropped, version.
+- `RUN_DIR/costs.json`: the run's measured costs (`COST_KEYS`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+COST_KEYS = (
+    "cells",
+    "group_size",
+    "executions_per_step",
+    "steps",
+    "policy",
+    "staleness",
+    "async_train_cells",
+    "capacity_per_cell",
+    "switch_to_train_s",
+    "switch_to_rollout_s",
+    "weight_sync_s",
+    "migration_pause_s",
+    "optimizer_step_s",
+    "grad_sync_s",
+    "micro_step_s",
+    "train_cell_s_per_trajectory",
+    "train_cell_s_per_execution",
+    "makespan_s",
+)
+
+
+def staleness_summary(trained_version: int, token_versions: Iterable[Mapping[int, int]]) -> dict[str, Any]:
+    """Histogram {lag: loss tokens} of the tokens trained at `trained_version`, with max and mean lag."""
+    hist: dict[int, int] = {}
+    for counts in token_versions:
+        for version, n in counts.items():
+            lag = trained_version - int(version)
+            hist[lag] = hist.get(lag, 0) + int(n)
+    total = sum(hist.values())
+    return {
+        "hist": {str(k): hist[k] for k in sorted(hist)},
+        "max": max(hist) if hist else 0,
+        "mean": sum(k * n for k, n in hist.items()) / total if total else 0.0,
+        "tokens": total,
+    }
+
+
+def merge_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Union of closed intervals as sorted, disjoint intervals (empty ones dropped)."""
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted((a, b) for a, b in intervals if b > a):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def overlap_seconds(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, float]]) -> float:
+    """Seconds during which some interval of `a` and some interval of `b` both run."""
+    total = 0.0
+    xs, ys = merge_intervals(a), merge_intervals(b)
+    i = j = 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def write_trace(run_dir: Path, rows: list[dict[str, Any]]) -> Path:
+    """`RUN_DIR/trace.jsonl`, one execution per line, in launch order."""
+    path = Path(run_dir) / "trace.jsonl"
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    return path
+
+
+def write_costs(run_dir: Path, costs: Mapping[str, Any]) -> Path:
+    """`RUN_DIR/costs.json` with exactly `COST_KEYS` (a missing key is an error, not a silent default)."""
+    missing = [k for k in COST_KEYS if k not in costs]
+    if missing:
+        raise KeyError(f"costs.json needs {', '.join(missing)}")
+    path = Path(run_dir) / "costs.json"
+    path.write_text(json.dumps({k: costs[k] for k in COST_KEYS}, indent=2))
+    return path
+
+
+def utilisation(
+    phases: Iterable[tuple[str, str, float, float]], makespan_s: float
+) -> dict[str, dict[str, float]]:
+    """Per cell, the share of `makespan_s` spent rolling out, training, switching and idle.
+
+    `phases`: (cell, kind, start, end) with kind one of rollout / training / switching; the rest is idle.
+    A rollout cell that hosts no execution counts as idle (`rollout` spans come from the ledger).
+    """
+    shares: dict[str, dict[str, float]] = {}
+    spans: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for cell, kind, lo, hi in phases:
+        spans.setdefault((cell, kind), []).append((max(0.0, lo), min(makespan_s, hi)))
+    for (cell, kind), items in spans.items():
+        busy = sum(hi - lo for lo, hi in merge_intervals(items))
+        shares.setdefault(cell, {"rollout": 0.0, "training": 0.0, "switching": 0.0})[kind] = (
+            busy / makespan_s if makespan_s > 0 else 0.0
+        )
+    for share in shares.values():
+        share["idle"] = max(0.0, 1.0 - share["rollout"] - share["training"] - share["switching"])
+    return {cell: {k: round(v, 4) for k, v in share.items()} for cell, share in sorted(shares.items())}

@@ -1,0 +1,149 @@
+"""The pure half of the scheduler actor: the real system as a `SchedState` (several batches in flight under
+eta), fed to the simulator's policies; and the report helpers (staleness, overlap, costs.json)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gyre_ray.runtime.report import COST_KEYS, overlap_seconds, staleness_summary, utilisation, write_costs
+from gyre_ray.scheduling.config import SchedulerSection
+from gyre_ray.scheduling.elastic import ElasticPolicy
+from gyre_ray.scheduling.runtime import (
+    CellPhase,
+    CellView,
+    Costs,
+    ExecutionLedger,
+    build_state,
+    migrate_executions,
+    policy_from_section,
+)
+from gyre_ray.scheduling.state import Launch, Role, SwitchToRollout, SwitchToTrain
+
+COSTS = Costs(switch_to_train_s=1.0, switch_to_rollout_s=0.5, micro_step_s=2.0)
+
+
+def cells(n: int, capacity: float) -> list[CellView]:
+    return [CellView(f"cell-{i}", i, capacity=capacity) for i in range(n)]
+
+
+def ledger_with(total: int, hosted: dict[int, int], batch_of: list[int] | None = None) -> ExecutionLedger:
+    ledger = ExecutionLedger.planned(batch_of or [0] * total)
+    for exec_id, cell in hosted.items():
+        ledger.launch(exec_id, cell, now=0.0)
+    return ledger
+
+
+def test_state_carries_loads_pending_work_and_switches() -> None:
+    views = cells(2, 2.0)
+    views[1].enter(CellPhase.TO_TRAIN, 9.5)
+    ledger = ledger_with(5, {0: 0, 1: 0}, batch_of=[3] * 5)
+    ledger.end(1)
+    state = build_state(10.0, 3, 4, 1, views, ledger, queued_micro_batches=4, costs=COSTS)
+    assert state.policy_version == 3 and state.steps_total == 4
+    assert [c.load for c in state.cells] == [1.0, 0.0]
+    assert list(state.in_flight) == [0] and state.in_flight[0].batch == 3
+    assert [p.exec_id for p in state.pending] == [2, 3, 4] and state.pending_demand == {3: 3.0}
+    assert state.ready_work_s == pytest.approx(8.0) and state.unended_in_trainable == 4
+    assert state.cells[1].switching_until == pytest.approx(10.5)  # started 9.5, expected 1 s
+    assert not state.cells[1].ready and state.cells[0].ready
+
+
+def test_elastic_switches_the_core_when_the_other_cell_can_carry_its_executions() -> None:
+    views = cells(2, 2.0)
+    ledger = ledger_with(5, {0: 0, 1: 1, 2: 0, 3: 0, 4: 1})
+    for e in (0, 2, 4):  # the first group ended; its micro-batches are queued
+        ledger.end(e)
+    state = build_state(5.0, 0, 1, 0, views, ledger, queued_micro_batches=2, costs=COSTS)
+    assert ElasticPolicy().decide(state) == [SwitchToTrain(0)]
+    # the loop then re-hosts the core's execution on the cell that stays in rollout
+    assert migrate_executions(ledger, 0, views) == {3: 1}
+    assert sorted(ledger.on_cell(1)) == [1, 3] and ledger.on_cell(0) == []
+    # no queued work: nothing worth switching for
+    idle = build_state(5.0, 0, 1, 0, views, ledger_with(2, {0: 1}), queued_micro_batches=0, costs=COSTS)
+    assert ElasticPolicy().decide(idle) == [Launch(1, 0)]
+
+
+def test_elastic_keeps_cells_rolling_out_while_the_rest_could_not_hold_the_demand() -> None:
+    views = cells(2, 1.0)
+    ledger = ledger_with(3, {0: 0, 1: 1})
+    state = build_state(5.0, 0, 1, 0, views, ledger, queued_micro_batches=3, costs=COSTS)
+    assert not [a for a in ElasticPolicy().decide(state) if isinstance(a, SwitchToTrain)]
+
+
+def test_elastic_brings_a_trainer_back_when_demand_returns() -> None:
+    views = cells(2, 1.0)
+    views[1].enter(CellPhase.TRAIN_IDLE, 0.0)
+    ledger = ledger_with(3, {0: 0})  # two pending and no room left on cell-0
+    state = build_state(1.0, 0, 1, 0, views, ledger, queued_micro_batches=0, costs=COSTS)
+    assert SwitchToRollout(1) in ElasticPolicy().decide(state)
+
+
+def test_colocate_trains_on_every_cell_once_the_rollout_is_over() -> None:
+    section = SchedulerSection(policy="colocate")
+    views = cells(3, 2.0)
+    ledger = ledger_with(2, {0: 0, 1: 1})
+    for e in (0, 1):
+        ledger.end(e)
+    state = build_state(3.0, 0, 1, 0, views, ledger, queued_micro_batches=1, costs=COSTS)
+    assert policy_from_section(section, 3).decide(state) == [
+        SwitchToTrain(0),
+        SwitchToTrain(1),
+        SwitchToTrain(2),
+    ]
+
+
+def test_policies_are_built_from_the_scheduler_section_like_the_simulator() -> None:
+    elastic = policy_from_section(SchedulerSection(policy="elastic", elastic_repay_factor=2.0), 2)
+    assert isinstance(elastic, ElasticPolicy) and elastic.repay_factor == 2.0
+    fixed = policy_from_section(SchedulerSection(policy="async"), 4)
+    assert fixed.initial_roles(4) == [Role.TRAIN, Role.TRAIN, Role.ROLLOUT, Role.ROLLOUT]
+
+
+def test_later_batches_are_pending_and_launch_only_within_the_staleness_bound() -> None:
+    views = cells(2, 4.0)
+    ledger = ledger_with(6, {0: 0, 1: 1}, batch_of=[0, 0, 1, 1, 2, 2])
+    on_policy = build_state(1.0, 0, 3, 0, views, ledger, 0, COSTS)
+    assert on_policy.pending_demand == {1: 2.0, 2: 2.0} and on_policy.unended_in_trainable == 2
+    assert not [a for a in ElasticPolicy().decide(on_policy) if isinstance(a, Launch)]  # eta 0: wait
+    eta1 = build_state(1.0, 0, 3, 1, views, ledger, 0, COSTS)
+    launched = sorted(a.exec_id for a in ElasticPolicy().decide(eta1) if isinstance(a, Launch))
+    assert launched == [2, 3]  # batch 1 may launch under version 0, batch 2 may not
+    assert state_cells(build_state(1.0, 0, 3, 1, views, ledger, 5, COSTS, updating=True)) == 0.0
+
+
+def state_cells(state) -> float:
+    return state.ready_work_s  # no trainable work while the update is running
+
+
+def test_phases_map_to_roles_and_readiness() -> None:
+    assert [p.role for p in CellPhase] == [Role.ROLLOUT, Role.TRAIN, Role.TRAIN, Role.TRAIN, Role.ROLLOUT]
+    view = CellView("cell-0", 0)
+    view.enter(CellPhase.TRAINING, 2.0)
+    state = build_state(2.5, 0, 1, 0, [view], ledger_with(1, {}), 0, COSTS)
+    assert state.cells[0].micro_step_until == 4.0 and state.cells[0].ready  # since 2.0 + 2 s micro-step
+
+
+def test_staleness_histogram_and_overlap() -> None:
+    summary = staleness_summary(3, [{3: 10, 2: 30}, {2: 10}])
+    assert summary["hist"] == {"0": 10, "1": 40} and summary["max"] == 1
+    assert summary["mean"] == 0.8 and summary["tokens"] == 50
+    assert overlap_seconds([(0.0, 10.0)], [(2.0, 4.0), (3.0, 5.0), (9.0, 12.0)]) == 4.0
+    assert overlap_seconds([(0.0, 1.0)], [(2.0, 3.0)]) == 0.0
+
+
+def test_utilisation_shares_sum_to_one() -> None:
+    share = utilisation(
+        [("c0", "rollout", 0.0, 6.0), ("c0", "training", 6.0, 9.0), ("c0", "switching", 9.0, 10.0)], 10.0
+    )
+    assert share["c0"] == {"rollout": 0.6, "training": 0.3, "switching": 0.1, "idle": 0.0}
+
+
+def test_costs_file_has_exactly_the_contract_keys(tmp_path) -> None:
+    costs = dict.fromkeys(COST_KEYS, 1.0) | {"extra": 2}
+    path = write_costs(tmp_path, costs)
+    assert list(json.loads(path.read_text())) == list(COST_KEYS)
+    del costs["makespan_s"]
+    with pytest.raises(KeyError, match="makespan_s"):
+        write_costs(tmp_path, costs)
