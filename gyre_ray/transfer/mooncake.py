@@ -4,8 +4,9 @@ Each process starts one `TransferEngine` (`transfer.mooncake`: protocol, NIC, me
 P2PHANDSHAKE needs no metadata server: peers are named "host:rpc_port"). The sender keeps
 `staging_buffers` registered buffers and reuses them round-robin across versions (reallocating
 only when a payload outgrows one), so version v stays readable while v+1 is staged. A receiver
-keeps one registered buffer of its own, reads the payload in `chunk_bytes` pieces in one batch,
-then copies the tensors out. Needs the `mooncake-transfer-engine` wheel (the non-CUDA build on CPU
+reads the payload in `chunk_bytes` pieces in one batch. Over TCP registering memory costs nothing,
+so it reads into a fresh buffer and the tensors it returns are views into it (no second copy);
+over RDMA registration pins memory, so it keeps one registered buffer and copies the tensors out. Needs the `mooncake-transfer-engine` wheel (the non-CUDA build on CPU
 machines, with Debian's libibverbs1).
 """
 
@@ -44,6 +45,7 @@ class _Registered:
         return self.buffer
 
     def free(self) -> None:
+        """Unregister the buffer (tensors viewing it stay valid: this object just lets go of it)."""
         if self.buffer.numel():
             self.engine.unregister_memory(self.buffer.data_ptr())
             self.buffer = torch.empty(0, dtype=torch.uint8)
@@ -98,8 +100,20 @@ class MooncakeTransport(Transport):
 
     def fetch(self, ticket: Ticket) -> Any:
         engine = self.engine
-        assert self._recv is not None
-        buffer = self._recv.ensure(ticket.nbytes)
+        reuse = self.section.mooncake.protocol == "rdma"
+        slot = self._recv if reuse else _Registered(engine)
+        assert slot is not None
+        try:
+            buffer = slot.ensure(ticket.nbytes)
+            self._read(ticket, buffer)
+        finally:
+            if not reuse:
+                slot.free()  # only the registration: `buffer` lives on in the returned tensors
+        self._verify(ticket, buffer)
+        return read_from(buffer, ticket.layout, copy=reuse)
+
+    def _read(self, ticket: Ticket, buffer: torch.Tensor) -> None:
+        engine = self.engine
         chunk = self.section.mooncake.chunk_bytes
         offsets = list(range(0, ticket.nbytes, chunk))
         local = [buffer.data_ptr() + o for o in offsets]
@@ -111,8 +125,6 @@ class MooncakeTransport(Transport):
                 raise self.error(
                     ticket, f"Mooncake read from {ticket.address['peer']} returned {rc} (peer gone?)"
                 )
-        self._verify(ticket, buffer)
-        return read_from(buffer, ticket.layout, copy=True)
 
     def close(self) -> None:
         for slot in [*self._send, *([self._recv] if self._recv else [])]:
