@@ -165,15 +165,15 @@ def test_kv_state_moves_between_cells(backend: str) -> None:
     assert _same(ray.get(b.fetch.remote(ticket)), state)
 
 
-def _wait_dead(actor: Any, timeout_s: float = 60.0) -> None:
+def _kill_and_wait(actor: Any, timeout_s: float = 120.0) -> None:
+    """Kill `actor` and return once its process is gone (Ray reports it dead while it still exits)."""
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    ray.kill(actor)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.held.remote(), timeout=5)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return
-        time.sleep(0.2)
-    raise AssertionError("the killed actor still answers")
+    while os.path.exists(f"/proc/{pid}"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the killed actor's process {pid} is still there")
+        time.sleep(0.1)
 
 
 @needs_mooncake
@@ -183,8 +183,7 @@ def test_failed_transfer_names_cell_and_version_and_keeps_old_weights() -> None:
     state = small_model(1).state_dict()
     ray.get(cell.receive_weights.remote(ray.get(sender.publish.remote(state, 1)), "failing"))
     ticket = ray.get(sender.publish.remote({k: v * 2 for k, v in state.items()}, 2))
-    ray.kill(sender)  # the sender is gone before the cell reads version 2
-    _wait_dead(sender)
+    _kill_and_wait(sender)  # the sender is gone before the cell reads version 2
     with pytest.raises(ray.exceptions.RayTaskError) as info:
         ray.get(cell.receive_weights.remote(ticket, "failing"))
     assert isinstance(info.value.cause, TransferError)
