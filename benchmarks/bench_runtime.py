@@ -86,7 +86,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=4)
     parser.add_argument("--cpus-per-cell", type=float, default=0.5)
-    parser.add_argument("--capacity", type=int, default=2, help="executions one rollout cell carries")
+    parser.add_argument("--capacity", type=int, default=1, help="executions one rollout cell carries")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tasks-per-step", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)

@@ -63,7 +63,7 @@ def _token_versions(folder: Path, exec_id: str) -> list[int]:
 
 def test_actors_are_named_in_the_runs_namespace(runtime) -> None:
     rt, _ = runtime
-    for name in ("cell-0", "cell-1", "cell-2", "store", "scheduler"):
+    for name in ("cell-0", "cell-1", "cell-2", "store", "scheduler", "workers"):
         assert ray.get_actor(name, namespace=rt.namespace) is not None
     assert rt.core_id == "cell-0" and ray.get(rt.core.status.remote())["is_core"]
     assert not ray.get(rt.cells["cell-1"].status.remote())["is_core"]

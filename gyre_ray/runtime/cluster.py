@@ -6,8 +6,9 @@
     runtime.shutdown()
 
 In the run's Ray namespace (`runtime.namespace`) the cells are the named actors `cell-0`, `cell-1`, ...,
-the trajectory store is `store` and the scheduler is `scheduler`, so the Ray dashboard and tools find
-them. Each cell is one placement group with one bundle {"CPU": c, "GPU": g} from the `cells` section.
+the trajectory store is `store`, the scheduler is `scheduler` and the warm worker of executions and
+group processing is `workers`, so the Ray dashboard and tools find them. Each cell is one placement
+group with one bundle {"CPU": c, "GPU": g} from the `cells` section.
 The core is the cell this runtime names (`core_id`; cell-0 today), whatever the cells are called.
 A cell's drain flag lives in the cell; every proxy replica routes by it (`ProxyService.watch_drain_state`).
 """
@@ -133,6 +134,7 @@ class Runtime:
     proxy: Any
     core_id: str
     scheduler: Any = None
+    workers: Any = None
     owns_ray: bool = False
     app_name: str = "gyre-proxy"
     _closed: bool = field(default=False, repr=False)
@@ -175,18 +177,22 @@ class Runtime:
                 config, engine_factory, trainer_factory=trainer, namespace=namespace, timeout_s=timeout_s
             )
             proxy = serve_proxy(config, settings, pool.cell_ids, app_name=app_name, timeout_s=timeout_s)
-            runtime = cls(config, namespace, pool, store, proxy, pool.cell_ids[0], None, owns_ray, app_name)
+            runtime = cls(
+                config, namespace, pool, store, proxy, pool.cell_ids[0], owns_ray=owns_ray, app_name=app_name
+            )
             proxy.owner = runtime
             if dual_role and scheduler:
                 runtime.scheduler = runtime._start_scheduler(scheduler_options or {})
         except BaseException:
-            _stop(pool, store, proxy, None, owns_ray)
+            _stop(pool, store, proxy, [], owns_ray)
             raise
         return runtime
 
     def _start_scheduler(self, options: dict[str, Any]) -> Any:
-
         from gyre_ray.runtime.scheduler import SchedulerActor
+        from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
+
+        self.workers = RunWorkers.options(name=WORKERS_NAME, namespace=self.namespace).remote()
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
         return SchedulerActor.options(name=SCHEDULER_NAME, namespace=self.namespace).remote(
@@ -195,7 +201,7 @@ class Runtime:
             self.core_id,
             self.namespace,
             {"base_url": self.proxy.base_url, "admin_token": self.proxy.admin_token},
-            **options,
+            **{"workers": self.workers, **options},
         )
 
     def shutdown(self) -> None:
@@ -203,15 +209,16 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        _stop(self.pool, self.store, self.proxy, self.scheduler, self.owns_ray)
+        _stop(self.pool, self.store, self.proxy, [self.scheduler, self.workers], self.owns_ray)
 
 
-def _stop(pool: Any, store: Any, proxy: Any, scheduler: Any, owns_ray: bool) -> None:
+def _stop(pool: Any, store: Any, proxy: Any, actors: list[Any], owns_ray: bool) -> None:
     import ray
 
-    if scheduler is not None:
-        with contextlib.suppress(Exception):
-            ray.kill(scheduler, no_restart=True)
+    for actor in actors:
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
     if proxy is not None:
         proxy.close()
     if pool is not None:
