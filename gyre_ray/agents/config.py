@@ -13,7 +13,9 @@ class AgentSection(Section):
     """Harness, task set and the per-execution time budget."""
 
     harness: Literal["toy", "claude-code"] = Field("toy", description="Agent harness started per execution.")
-    task_set: Literal["toy"] = Field("toy", description="Named task set the executions are drawn from.")
+    task_set: Literal["toy", "longtail"] = Field(
+        "toy", description="Named task set the executions are drawn from (longtail: set timeout_s=60)."
+    )
     timeout_s: float = Field(
         600.0, gt=0, description="Wall-clock limit of one execution; its workspace is scored afterwards."
     )

@@ -46,9 +46,13 @@ class Task:
 
 
 def get_task_set(name: str) -> list[Task]:
-    """The tasks of a named set (`toy` is the CPU demo set)."""
+    """The tasks of a named set (`toy` is the CPU demo set, `longtail` the same with nl2repo-like durations)."""
     if name == "toy":
         from gyre_ray.envs.toy import toy_tasks
 
         return toy_tasks()
-    raise ValueError(f"unknown task set {name!r}; known: toy")
+    if name == "longtail":
+        from gyre_ray.envs.longtail import longtail_tasks
+
+        return longtail_tasks()
+    raise ValueError(f"unknown task set {name!r}; known: toy, longtail")
