@@ -64,6 +64,7 @@ def test_the_task_set_is_registered_and_seeds_its_schedule(tmp_path: Path) -> No
     tasks = get_task_set("longtail")
     assert len(tasks) == 16 and len({t.task_id for t in tasks}) == 16
     assert AgentSection(task_set="longtail").task_set == "longtail"
+    assert lt.SCHEDULE_FILE == ".gyre_tool_sleeps.json"  # the name the toy harness looks for
     tasks[0].seed_workspace(tmp_path / "ws")
     assert json.loads((tmp_path / "ws" / lt.SCHEDULE_FILE).read_text()) == lt.schedule_for()
     assert tasks[0].evaluate(tmp_path / "ws").reward == 0.0  # graded on answer.txt, like toy

@@ -120,10 +120,12 @@ class ToyAgent:
 
 def _tool_sleeps(workspace: Path) -> list[float]:
     """Per-tool-step sleeps from the schedule a `longtail` task seeds (none for other tasks)."""
-    from gyre_ray.envs.longtail import SCHEDULE_FILE, tool_sleeps
+    path = workspace / ".gyre_tool_sleeps.json"  # gyre_ray.envs.longtail.SCHEDULE_FILE
+    if not path.is_file():
+        return []
+    from gyre_ray.envs.longtail import tool_sleeps  # numpy: only imported for longtail tasks
 
-    path = workspace / SCHEDULE_FILE
-    return tool_sleeps(json.loads(path.read_text()), workspace.name) if path.is_file() else []
+    return tool_sleeps(json.loads(path.read_text()), workspace.name)
 
 
 def main() -> int:
