@@ -12,6 +12,10 @@ so elastic can be at most X / bound faster than a run X at the same staleness. T
 paper): elastic within 10% of the bound; on nl2repo-like presets >= 1.21x over colocate and
 >= 1.78x over async.
 
+Then the cell-count sweep (`--sweep-steps`, default 12 steps): elastic (best prefetch mode) over
+the bound on every preset, at eta 0 and 1, on 2 .. 8 cells (issue 8's target: within 5% of the
+bound everywhere). `--sweep-only` runs just the sweep and saves sim_cells_cpu<cores>.json.
+
 Also checks the nl2repo fit (colocate on the reference's 4 cells: 1.906 h per step) and times one
 48 x 8 x 1,024 simulation (target < 30 s).
 
@@ -99,6 +103,24 @@ def bench_preset(name: str, steps: int, cells: int, seed: int, costs: SimCosts) 
     }
 
 
+def sweep_cells(name: str, steps: int, seed: int, costs: SimCosts) -> dict:
+    """elastic / bound for eta 0, 1 and 2 .. 8 cells on one sampled workload."""
+    wl = sample_workload(PRESETS[name], steps, seed)
+    table: dict = {}
+    for eta in (0, 1):
+        for cells in range(2, 9):
+            elastic = best_elastic(wl, cells, eta, costs)
+            table[f"eta={eta} cells={cells}"] = {
+                "elastic_x_bound": round(elastic.makespan_s / elastic.lower_bound_s, 4),
+                "elastic_h_per_step": round(elastic.makespan_s / HOUR / steps, 4),
+                "bound_h_per_step": round(elastic.lower_bound_s / HOUR / steps, 4),
+                "prefetch": elastic.knobs.get("prefetch"),
+            }
+        line = " ".join(f"{c}:{table[f'eta={eta} cells={c}']['elastic_x_bound']:.3f}" for c in range(2, 9))
+        print(f"  {name:13s} eta={eta} elastic x bound by cells  {line}", flush=True)
+    return table
+
+
 def print_preset(name: str, data: dict, steps: int) -> None:
     b = data["bound"]
     print(
@@ -126,24 +148,8 @@ def print_preset(name: str, data: dict, steps: int) -> None:
     print(f"  elastic eta=1 vs colocate (not matched): {s['elastic_eta1_vs_colocate']:.3f}x")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--cells", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--presets", default="nl2repo,terminal,nl2repo-hard")
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-    costs = SimCosts()
-    report: dict = {
-        "hardware": f"cpu{os.cpu_count()}",
-        "python": platform.python_version(),
-        "steps": args.steps,
-        "cells": args.cells,
-        "seed": args.seed,
-        "costs": vars(costs),
-        "presets": {},
-    }
+def bench_main(args: argparse.Namespace, costs: SimCosts, report: dict) -> None:
+    """Timing, the nl2repo fit and the 8-cell comparison of every policy per preset."""
     wl = sample_workload(PRESETS["nl2repo"], 48, args.seed)
     start = time.perf_counter()
     run_policy(wl, "elastic", 8, 1, costs)
@@ -161,9 +167,39 @@ def main() -> None:
         report["presets"][name] = bench_preset(name, args.steps, args.cells, args.seed, costs)
         print_preset(name, report["presets"][name], args.steps)
         print(f"  ({time.perf_counter() - t0:.0f} s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--cells", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--presets", default="nl2repo,terminal,nl2repo-hard")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--sweep-steps", type=int, default=12, help="steps of the 2..8-cell sweep (0: skip)")
+    parser.add_argument("--sweep-only", action="store_true", help="only the 2..8-cell sweep")
+    args = parser.parse_args()
+    costs = SimCosts()
+    report: dict = {
+        "hardware": f"cpu{os.cpu_count()}",
+        "python": platform.python_version(),
+        "steps": args.steps,
+        "cells": args.cells,
+        "seed": args.seed,
+        "costs": vars(costs),
+        "presets": {},
+    }
+    if not args.sweep_only:
+        bench_main(args, costs, report)
+    if args.sweep_steps:
+        print(f"\ncell-count sweep, {args.sweep_steps} steps (target: elastic within 5% of the bound)")
+        report["cells_sweep"] = {"steps": args.sweep_steps, "target_x_bound": 1.05, "presets": {}}
+        for name in args.presets.split(","):
+            report["cells_sweep"]["presets"][name] = sweep_cells(name, args.sweep_steps, args.seed, costs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"sim_{report['hardware']}.json"
+    stem = "sim_cells" if args.sweep_only else "sim"
+    path = out / f"{stem}_{report['hardware']}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nsaved {path}")
 

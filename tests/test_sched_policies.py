@@ -219,3 +219,56 @@ def test_async_split_must_leave_both_roles() -> None:
 def test_unknown_policy_lists_known_ones() -> None:
     with pytest.raises(ValueError, match="known: async, colocate, elastic"):
         make_policy("round-robin")
+
+
+# ---------------------------------------------- what the real runtime relies on
+
+
+def test_async_split_comes_from_config_with_half_the_cells_by_default() -> None:
+    from gyre_ray.scheduling.config import SchedulerSection
+
+    assert SchedulerSection().async_split(6) == 3 and SchedulerSection().async_split(3) == 1
+    assert SchedulerSection(async_train_cells=2).async_split(6) == 2
+    policy = make_policy("async", train_cells=SchedulerSection(async_train_cells=2).async_split(6))
+    assert policy.initial_roles(6) == [T, T, R, R, R, R]
+
+
+def test_async_never_switches_whatever_the_demand_or_backlog() -> None:
+    policy = make_policy("async", train_cells=2)
+    for hosted, pending, ready in (
+        ({2: 4, 3: 4}, [(0, 9), (1, 9)], 0.0),
+        ({}, [], 1e5),
+        ({2: 1}, [(1, 3)], 5.0),
+    ):
+        cells = [cell(0, T), cell(1, T, micro_step_until=120.0), cell(2), cell(3)]
+        actions = policy.decide(state(cells, hosted=hosted, pending=pending, eta=1, ready=ready))
+        assert not of(SwitchToTrain, actions) and not of(SwitchToRollout, actions)
+
+
+def test_elastic_brings_a_trainer_back_mid_step_when_eta_lets_the_next_batch_launch() -> None:
+    # batch 0 still trains (backlog queued, two executions unended); version 0, eta 1: batch 1 may launch
+    cells = [cell(0, T, micro_step_until=150.0), cell(1, T, micro_step_until=130.0), cell(2)]
+    s = state(cells, hosted={2: 2}, pending=[(1, 6)], eta=1, ready=600.0, unended=2)
+    assert of(SwitchToRollout, make_policy("elastic").decide(s)) == [1]
+    assert of(SwitchToRollout, make_policy("elastic").decide(replace(s, staleness=0))) == []
+
+
+def test_elastic_counts_calls_queued_beyond_capacity_as_returning_demand() -> None:
+    cells = [cell(0, T, micro_step_until=150.0), cell(1, T), cell(2)]
+    s = state(cells, hosted={2: 4}, ready=600.0, unended=4)
+    policy = make_policy("elastic")
+    assert of(SwitchToRollout, policy.decide(s)) == []
+    assert of(SwitchToRollout, policy.decide(replace(s, queued_demand=3.0))) == [1]
+    # nor does a rollout cell leave while calls queue
+    s = state([cell(0, T), cell(1), cell(2)], hosted={1: 1, 2: 1}, ready=600.0, unended=2)
+    assert of(SwitchToTrain, policy.decide(s)) == [1]
+    assert of(SwitchToTrain, policy.decide(replace(s, queued_demand=3.0))) == []
+
+
+@pytest.mark.parametrize(("switch_s", "switches"), [(1.0, True), (400.0, False)])
+def test_elastic_weighs_the_measured_switch_cost_against_the_backlog(switch_s: float, switches: bool) -> None:
+    # one trainer already; 600 cell-s queued: a second trainer gets 300 s of it, worth a switch of 2 s
+    # (1 s each way) but not of 800 s
+    s = state([cell(0, T, micro_step_until=150.0), cell(1), cell(2)], hosted={1: 1}, ready=600.0)
+    s = replace(s, switch_to_train_s=switch_s, switch_to_rollout_s=switch_s)
+    assert bool(of(SwitchToTrain, make_policy("elastic").decide(s))) is switches

@@ -294,6 +294,24 @@ def test_the_bound_is_the_reference_formula_for_one_on_policy_step() -> None:
     )
 
 
+def test_the_bound_counts_the_cell_that_hosts_the_longest_execution() -> None:
+    # executions of 100 s and 1000 s, 1000 cell-s of training each, 2 cells: the 100 s group's work
+    # cannot use both cells while the 1000 s execution runs, so (2000 + 900) / 2 after t = 100 s.
+    # This schedule reaches it: cell A hosts the long one; cell B trains from 100 s; from 1000 s
+    # both train the 1100 cell-s left: 1000 + 550 = 1550 s (t + W / C alone would say 1500 s).
+    spec = small_spec(
+        tasks_per_step=2, group_size=1, train_cluster_s_per_trajectory=500.0, capacity_executions=2
+    )
+    wl = sample_workload(spec, steps=1)
+    wl.duration_s[:] = [100.0, 1000.0]
+    wl.trajectories[:] = [1, 1]
+    assert lower_bound(wl, 2, 0).chain_s == pytest.approx(1550.0)
+    free = SimCosts(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, micro_step_s=1.0)
+    for policy in ("elastic", "colocate"):
+        assert run_policy(wl, policy, 2, 0, free).makespan_s >= 1550.0 - 1e-6
+    assert run_policy(wl, "elastic", 2, 0, free).makespan_s == pytest.approx(1550.0, abs=2.0)
+
+
 def test_more_staleness_never_raises_the_bound() -> None:
     wl = sample_workload(PRESETS["nl2repo"].model_copy(update={"tasks_per_step": 8}), steps=6, seed=2)
     bounds = [lower_bound(wl, 4, eta).total_s for eta in range(4)]

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from gyre_ray.configbase import Section
 
-NAMED_TASK_SETS = ("toy", "nl2repo-mini")
+NAMED_TASK_SETS = ("toy", "nl2repo-mini", "longtail")
 
 
 class AgentSection(Section):
@@ -25,8 +25,8 @@ class AgentSection(Section):
     )
     task_set: str = Field(
         "toy",
-        description="A named task set (toy, nl2repo-mini) or the path of a .jsonl/.yaml task file "
-        "(format in docs/harnesses.md).",
+        description="A named task set (toy, nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
+        "or the path of a .jsonl/.yaml task file (format in docs/harnesses.md).",
     )
     timeout_s: float = Field(
         600.0, gt=0, description="Wall-clock limit of one execution; its workspace is scored afterwards."

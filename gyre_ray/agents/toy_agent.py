@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -46,6 +47,11 @@ class ToyAgent:
         self.seed = seed
         self.max_tokens = max_tokens
         self.calls = 0
+        self.sleeps = _tool_sleeps(workspace)  # the longtail task set's builds and test runs
+
+    def _tool_time(self) -> None:
+        if self.sleeps:
+            time.sleep(self.sleeps.pop(0))
 
     def _chat(self, messages: list[dict], role: str, tools: bool = True):
         self.calls += 1
@@ -70,6 +76,7 @@ class ToyAgent:
         if message.tool_calls:
             entry["tool_calls"] = [tc.model_dump() for tc in message.tool_calls]
         messages.append(entry)
+        self._tool_time()
         for call in message.tool_calls or []:
             try:
                 text = str(json.loads(call.function.arguments or "{}").get("text", ""))
@@ -108,6 +115,17 @@ class ToyAgent:
             {"role": "user", "content": f"{self.task}\nSummary so far: {summary.choices[0].message.content}"},
         ]
         self._act(messages, self._chat(messages, "main").choices[0].message)
+        time.sleep(sum(self.sleeps))  # tool time the harness had no step left for
+
+
+def _tool_sleeps(workspace: Path) -> list[float]:
+    """Per-tool-step sleeps from the schedule a `longtail` task seeds (none for other tasks)."""
+    path = workspace / ".gyre_tool_sleeps.json"  # gyre_ray.envs.longtail.SCHEDULE_FILE
+    if not path.is_file():
+        return []
+    from gyre_ray.envs.longtail import tool_sleeps  # numpy: only imported for longtail tasks
+
+    return tool_sleeps(json.loads(path.read_text()), workspace.name)
 
 
 def main() -> int:

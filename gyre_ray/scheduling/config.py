@@ -31,6 +31,11 @@ class SchedulerSection(Section):
     async_train_cells: int = Field(
         0,
         ge=0,
-        description="async: cells that train (the rest roll out); 0 = the simulator's best split "
-        "(real runs then use half of proxy.num_cells).",
+        description="async: cells that train for the whole run (the rest roll out; nothing ever switches); "
+        "0 = half the cells, rounded down, at least 1 (the simulator with sim.tune_knobs instead tries "
+        "every split and keeps the best).",
     )
+
+    def async_split(self, num_cells: int) -> int:
+        """Cells that train under `async` on `num_cells` cells (`async_train_cells`, 0 = half, at least 1)."""
+        return self.async_train_cells or max(1, num_cells // 2)

@@ -1,8 +1,10 @@
 """`elastic`: water-level control of cell roles.
 
 Every decision does, in this order:
-1. **Return.** If the demand the rollout side must carry exceeds the rollout capacity (ready cells
-   and cells already coming back), trainers go back to rollout until it does not: satellites
+1. **Return.** If the demand the rollout side must carry (in-flight executions, calls queued
+   beyond the rollout cells' capacity, `queued_demand`, and pending executions the staleness bound
+   lets launch) exceeds the rollout capacity (ready cells and cells already coming back), trainers
+   go back to rollout until it does not, at any decision, not only at a step's end: satellites
    before the core, idle trainers before busy ones; a busy one finishes its micro-step first.
 2. **Launch.** Pending launchable executions go, oldest batch first, to the rollout cell with the
    most room.
@@ -65,7 +67,7 @@ class ElasticPolicy(Policy):
             return []
         free = free_rollout_capacity(state)
         capacity = sum(c.rollout_capacity for c in state.cells_in(Role.ROLLOUT))
-        in_flight = sum(c.load for c in state.cells)
+        in_flight = sum(c.load for c in state.cells) + state.queued_demand
         urgent = in_flight + state.launchable_demand(max_lag=0)
         everything = in_flight + state.launchable_demand()
         actions: list[Action] = []

@@ -156,6 +156,9 @@ class SchedState:
     unended_in_trainable: executions of the trainable batch that have not ended yet (launched or not).
     updating: the optimizer step of the trainable batch is in progress.
     switch_to_train_s / switch_to_rollout_s: expected cost of a role switch (measured or configured).
+    queued_demand: demand the rollout cells hold but cannot serve now, in capacity units (a real
+        backend: model calls queued beyond its engines' slots, converted to executions); the
+        simulator never overfills a cell, so 0 there. Elastic counts it as demand to bring cells back.
     """
 
     now: float
@@ -172,6 +175,7 @@ class SchedState:
     updating: bool = False
     switch_to_train_s: float = 8.52
     switch_to_rollout_s: float = 3.46
+    queued_demand: float = 0.0
 
     def launchable(self, batch: int) -> bool:
         """Whether an execution of `batch` may be launched now without exceeding the staleness bound."""

@@ -4,10 +4,13 @@ Two bounds, the larger wins:
 - **Chain** (critical path). Let U_s be when update s ends (version s + 1 is published). Batch s
   cannot launch before U_{s-eta-1} (0 for s <= eta), a group's training work is queued no earlier
   than launch + its longest execution, training of batch s needs version s (so starts after
-  U_{s-1}) and runs on at most C cells. For every group end offset t of batch s:
-      U_s >= max(U_{s-1}, A_s + t) + W_s(released at offset >= t) / C + optimizer_step,
-  with A_s = U_{s-eta-1}. For eta = 0 this is the reference's per-step bound
-  "max over t of (t + training work released at or after t / C)", chained over steps.
+  U_{s-1}) and runs on at most C cells, less the one hosting the batch's longest execution (length
+  L_s) while it runs: after x that execution still runs for at least h = A_s + L_s - x, and it ends
+  before the batch's training does (its own group's work comes after it). For every group end
+  offset t of batch s, with x = max(U_{s-1}, A_s + t) and A_s = U_{s-eta-1}:
+      U_s >= x + (W_s(released at offset >= t) + max(0, h)) / C + optimizer_step.
+  Without the h term, for eta = 0, this is the reference's per-step bound "max over t of
+  (t + training work released at or after t / C)", chained over steps.
 - **Work**. Every cell does one thing at a time: (rollout cell-seconds + training cell-seconds) / C,
   plus the last optimizer step. Rollout cell-seconds = sum of duration x demand / cell capacity.
   On-policy (eta = 0) the batches roll out one after another, and while a batch's longest
@@ -36,6 +39,16 @@ class LowerBound:
     update_s: tuple[float, ...]
 
 
+def _train_time(work: np.ndarray, held_s: np.ndarray, n_cells: int) -> np.ndarray:
+    """Least time to train `work` cell-seconds on C cells when one cell is busy rolling out `held_s` of it.
+
+    The batch's longest execution (length L, launched at A or later) still runs for at least
+    `held_s` = A + L - x after the training starts at x, on a cell in the rollout role, and it ends
+    before the training does (its group's work comes after it). So C x time >= work + held_s.
+    """
+    return (work + np.maximum(held_s, 0.0)) / n_cells
+
+
 def lower_bound(
     wl: SampledWorkload, n_cells: int, staleness: int, optimizer_step_s: float = 0.0
 ) -> LowerBound:
@@ -60,7 +73,8 @@ def lower_bound(
         launch = updates[s - staleness - 1] if s - staleness - 1 >= 0 else 0.0
         previous = updates[s - 1] if s >= 1 else 0.0
         if offsets.size:
-            finish = float(np.max(np.maximum(previous, launch + offsets) + after / n_cells))
+            start = np.maximum(previous, launch + offsets)
+            finish = float(np.max(start + _train_time(after, launch + offsets[-1] - start, n_cells)))
         else:
             finish = previous
         updates.append(finish + optimizer_step_s)

@@ -1,0 +1,110 @@
+"""The `longtail` task set: nl2repo-shaped durations scaled 1 h -> 40 s, deterministic, honoured by the toy harness."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gyre_ray.agents import toy_agent
+from gyre_ray.agents.config import AgentSection
+from gyre_ray.envs import get_task_set
+from gyre_ray.envs import longtail as lt
+from gyre_ray.sim.presets import PRESETS
+from gyre_ray.sim.workload import sample_workload
+
+
+def names(steps: int = 4, tasks: int = 64, group: int = 16) -> list[list[str]]:
+    """Workspace names as the runtime makes them (execution ids `s{step}-{task}-{g}`), by group."""
+    return [[f"s{s}-lt{t:02d}-x-{g}" for g in range(group)] for s in range(steps) for t in range(tasks)]
+
+
+def test_the_duration_model_is_the_nl2repo_preset_scaled_1h_to_40s() -> None:
+    preset = PRESETS["nl2repo"].duration
+    assert (
+        preset.mu_log_hours,
+        preset.sigma_log_hours,
+        preset.rho,
+        preset.timeout_hours,
+    ) == (lt.MU_LOG_HOURS, lt.SIGMA_LOG_HOURS, lt.RHO, lt.TIMEOUT_HOURS)
+    assert lt.SECONDS_PER_HOUR == 40.0 and lt.TIMEOUT_S == 60.0
+
+
+def test_durations_follow_the_simulated_preset_in_distribution() -> None:
+    schedule = lt.schedule_for(seed=3)
+    groups = names()
+    real = np.array([[lt.execution_seconds(schedule, n) for n in g] for g in groups])
+    wl = sample_workload(PRESETS["nl2repo"], steps=4, seed=3)
+    sim = np.minimum(wl.duration_s / 3600.0, lt.TIMEOUT_HOURS) * lt.SECONDS_PER_HOUR
+    capped = np.minimum(real, lt.TIMEOUT_S)
+    for q in (0.1, 0.5, 0.9, 0.99):
+        assert np.quantile(capped, q) == pytest.approx(np.quantile(sim, q), rel=0.12)
+    # the timeout: a few executions hit it and sleep past it; the task part is shared within a group
+    at_cap = real >= lt.TIMEOUT_S
+    assert 0 < at_cap.mean() < 0.05 and np.all(real[at_cap] == lt.TIMEOUT_S + lt.OVERRUN_S)
+    logs = np.log(capped)
+    within = logs.var(axis=1).mean()
+    assert within == pytest.approx((1 - lt.RHO) * lt.SIGMA_LOG_HOURS**2, rel=0.15)
+
+
+def test_sleeps_are_deterministic_per_execution_and_seed_and_sum_to_its_duration() -> None:
+    a, b = lt.schedule_for(seed=0), lt.schedule_for(seed=1)
+    name = "s2-lt05-greeting-7"
+    assert lt.tool_sleeps(a, name) == lt.tool_sleeps(dict(a), name)
+    assert lt.tool_sleeps(a, name) != lt.tool_sleeps(b, name)
+    assert lt.tool_sleeps(a, name) != lt.tool_sleeps(a, "s2-lt05-greeting-8")
+    sleeps = lt.tool_sleeps(a, name)
+    assert len(sleeps) == len(lt.TOOL_SHARES) and sum(sleeps) == pytest.approx(lt.execution_seconds(a, name))
+
+
+def test_the_task_set_is_registered_and_seeds_its_schedule(tmp_path: Path) -> None:
+    tasks = get_task_set("longtail")
+    assert len(tasks) == 16 and len({t.task_id for t in tasks}) == 16
+    assert AgentSection(task_set="longtail").task_set == "longtail"
+    assert lt.SCHEDULE_FILE == ".gyre_tool_sleeps.json"  # the name the toy harness looks for
+    tasks[0].seed_workspace(tmp_path / "ws")
+    assert json.loads((tmp_path / "ws" / lt.SCHEDULE_FILE).read_text()) == lt.schedule_for()
+    assert tasks[0].evaluate(tmp_path / "ws").reward == 0.0  # graded on answer.txt, like toy
+    with pytest.raises(ValueError, match="unknown task set"):
+        get_task_set("nope")
+
+
+class _Client:
+    """Stands for the OpenAI SDK: every call answers a short text, no tool call."""
+
+    def __init__(self) -> None:
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
+        self.calls = 0
+
+    def _create(self, **_: object) -> SimpleNamespace:
+        self.calls += 1
+        message = SimpleNamespace(content="aeiou", tool_calls=None)
+        return SimpleNamespace(choices=[SimpleNamespace(message=message)])
+
+
+@pytest.mark.parametrize("turns", [1, 2, 4])
+def test_the_toy_harness_sleeps_the_schedule_between_its_model_calls(
+    tmp_path: Path, monkeypatch, turns
+) -> None:
+    workspace = tmp_path / "s0-lt01-digits-3"
+    get_task_set("longtail")[1].seed_workspace(workspace)
+    slept: list[tuple[int, float]] = []
+    client = _Client()
+    monkeypatch.setattr(toy_agent.time, "sleep", lambda s: slept.append((client.calls, s)))
+    toy_agent.ToyAgent(client, workspace, "List the digits.", seed=1).run(turns=turns)
+    expected = lt.tool_sleeps(lt.schedule_for(), workspace.name)
+    assert sum(s for _, s in slept) == pytest.approx(sum(expected))
+    assert [s for _, s in slept][: min(turns + 2, 4)] == pytest.approx(expected[: min(turns + 2, 4)])
+    assert len({calls for calls, _ in slept}) >= 3  # tool time falls between different model calls
+    assert (workspace / "answer.txt").is_file()
+
+
+def test_the_toy_harness_does_not_sleep_on_toy_tasks(tmp_path: Path, monkeypatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(toy_agent.time, "sleep", slept.append)
+    get_task_set("toy")[0].seed_workspace(tmp_path / "ws")
+    toy_agent.ToyAgent(_Client(), tmp_path / "ws", "Write.", seed=1).run()
+    assert sum(slept) == 0
