@@ -58,7 +58,7 @@ def test_tensor_parallel_2_equals_tensor_parallel_1(pair: tuple, tmp_path: Path)
     assert tp2.version == tp1.version == 1
     after1, after2 = tp1.state_dict(), tp2.state_dict()
     error, covered = update_relative_error(before, after1, after2, grads1, min_grad=1e-3)
-    assert error < 1e-5 and covered > 0.5, (error, covered)
+    assert error < 1e-5 and covered > 0.99, (error, covered)
     saved = read_hf_weights(tp2.save(tmp_path / "ckpt"))  # rank 0 writes the gathered HF folder
     assert saved.keys() == after2.keys() and all(torch.equal(saved[k], after2[k]) for k in saved)
     tp2.load_state_dict(read_hf_weights(folder), version=7)  # weights in: sharded again on every rank
