@@ -30,7 +30,10 @@ pytestmark = pytest.mark.slow
 SECTION = dict(backend="megatron", lr=1e-2, weight_decay=0.01, grad_clip=1.0)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+# Tied (the toy default): the vocab-parallel embedding is also the output layer. The untied layout's
+# TP figures are in benchmarks/results/megatron_parity_cpu2.json; its shards are tested in
+# test_megatron_convert.py.
+@pytest.fixture(scope="module", params=[True], ids=["tied"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     folder = hf_folder(tmp_path_factory.mktemp("tp"), tied=request.param)
     model, args = load_hf(folder)
