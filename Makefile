@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
+	# The Megatron trainer backend; 0.16.1 is the last release for Python 3.11. Its torch>=2.6 is met by
+	# the pin above (torch named again so pip cannot swap it).
+	$(PY) -m pip install -q torch==2.13.0 megatron-core==0.16.1
 	$(PY) -m pip install -q -e '.[dev,cpu]'
 	@# Mooncake's non-CUDA wheel loads only with Debian's libibverbs1 (installed where we are root with apt).
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "gyre_ray.trajectory.cli",
     "gyre_ray.sim.cli",
     "gyre_ray.proxy.cli",
+    "gyre_ray.trainers.cli",
 )
 
 

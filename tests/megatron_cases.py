@@ -97,16 +97,17 @@ def update_relative_error(
     before: dict, after_a: dict, after_b: dict, grads: dict, min_grad: float
 ) -> tuple[float, float]:
     """(largest |delta_a - delta_b| / max|delta_a| over weights whose gradient exceeds `min_grad`,
-    share of weights that do).
+    share of the gradient's squared norm on those weights).
 
     AdamW's first step is ~lr * g / (|g| + eps): where |g| sits at float32 rounding level (~1e-9,
     near eps) the step's size is noise in any implementation, so those elements are left out.
     """
-    worst, scale, live_count, total = 0.0, 0.0, 0, 0
+    worst, scale, live_count, total = 0.0, 0.0, 0.0, 0.0
     for k in before:
         da, db = after_a[k] - before[k], after_b[k] - before[k]
         live = grads[k].abs() > min_grad
-        live_count, total = live_count + int(live.sum()), total + live.numel()
+        g2 = grads[k].double().pow(2)
+        live_count, total = live_count + float(g2[live].sum()), total + float(g2.sum())
         scale = max(scale, float(da.abs().max()))
         if bool(live.any()):
             worst = max(worst, float((da - db).abs()[live].max()))
