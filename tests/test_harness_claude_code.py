@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from served_proxy import CODEC, ServedProxy
 
+from gyre_ray.agents.config import AgentSection
 from gyre_ray.agents.harnesses import REPO, build_harness, claude_binary
 from gyre_ray.agents.launch import runs_as_root
-from gyre_ray.agents.config import AgentSection
 from gyre_ray.agents.runner import Endpoint, run_execution
 from gyre_ray.cells.factories import ScriptedEngineFactory
 from gyre_ray.envs.base import get_task_set
