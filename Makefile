@@ -3,10 +3,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 RUN_CONFIG ?= jobs/configs/toy.yaml
+# The real harnesses' versions: pinned here and nowhere else (tests and docs read them from here).
 CLAUDE_CODE_VERSION ?= 2.1.197
-CLAUDE := .cache/claude/node_modules/.bin/claude
+CODEX_VERSION ?= 0.171.0
+CLAUDE_STAMP := .cache/claude/.installed-$(CLAUDE_CODE_VERSION)
+CODEX_STAMP := .cache/codex/.installed-$(CODEX_VERSION)
 
-.PHONY: install run test lint format bench clean
+.PHONY: install install-harnesses run test lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -27,17 +30,29 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Claude Code for its headless test (tests skip it, saying why, when npm or the package is missing).
-$(CLAUDE):
-	@if command -v npm >/dev/null 2>&1; then \
-		npm install --silent --no-audit --no-fund --prefix .cache/claude @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
-		|| echo "warning: Claude Code install failed; its test will be skipped"; \
-	else echo "warning: npm not found; the Claude Code test will be skipped"; fi
+# Claude Code and Codex (npm; each ships a native binary) into the ignored .cache/, for agents.harness
+# claude-code / codex and their tests. Under CI a failed install fails the build (their tests must run);
+# elsewhere it warns and those tests skip, saying why.
+define npm_install
+	@mkdir -p $(dir $(1))
+	@if command -v npm >/dev/null 2>&1 && npm install --silent --no-audit --no-fund --prefix $(dir $(1)) $(2); then \
+		touch $(1); \
+	elif [ "$$CI" = "true" ]; then echo "error: npm install $(2) failed" >&2; exit 1; \
+	else echo "warning: npm install $(2) failed (or npm is missing); its tests will be skipped"; fi
+endef
+
+$(CLAUDE_STAMP):
+	$(call npm_install,$@,@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION))
+
+$(CODEX_STAMP):
+	$(call npm_install,$@,@openai/codex@$(CODEX_VERSION))
+
+install-harnesses: $(CLAUDE_STAMP) $(CODEX_STAMP)
 
 run: install
 	$(VENV)/bin/gyre-ray train --config $(RUN_CONFIG)
 
-test: install $(CLAUDE)
+test: install install-harnesses
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -m "not gpu" --timeout=600

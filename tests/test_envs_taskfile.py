@@ -13,6 +13,7 @@ import pytest
 from gyre_ray.agents.config import AgentSection
 from gyre_ray.agents.runner import Endpoint, run_execution
 from gyre_ray.envs.base import get_task_set
+from gyre_ray.envs.nl2repo import nl2repo_mini_path
 from gyre_ray.envs.taskfile import TaskFileError, load_task_file
 
 NOWHERE = Endpoint("http://127.0.0.1:9", "key")
@@ -52,9 +53,14 @@ def test_the_shipped_set_loads_and_keeps_its_tests_hidden(exec_tmp: Path) -> Non
     tasks = get_task_set("nl2repo-mini")
     assert [t.task_id for t in tasks] == ["slugkit", "romankit", "rlekit", "rpnkit"]
     assert all("Build a Python package" in t.prompt for t in tasks)
-    probe = "import os, json; json.dump(sorted(os.listdir('.')), open('seen.json', 'w'))"
+    hidden = nl2repo_mini_path().parent / "hidden/slugkit"
+    probe = (
+        f"import os, json\ntry:\n    shipped = os.listdir({str(hidden)!r})\nexcept OSError as exc:\n"
+        "    shipped = type(exc).__name__\njson.dump([sorted(os.listdir('.')), shipped], open('seen.json', 'w'))"
+    )
     out = _run(_task("nl2repo-mini", "slugkit"), exec_tmp, probe, timeout_s=30)
-    assert json.loads((exec_tmp / "ws/seen.json").read_text()) == []  # no test file in sight
+    # no test file in the workspace, and the task file's own hidden folder is closed to the agent
+    assert json.loads((exec_tmp / "ws/seen.json").read_text()) == [[], "PermissionError"]
     assert out.valid and out.reward == 0.0 and "0/1 hidden tests passed" in out.detail  # import error
 
 

@@ -23,6 +23,11 @@ class AgentSection(Section):
         description="harness=command: the argv template; items may hold {prompt}, {workspace}, {home}, "
         "{openai_base_url}, {anthropic_base_url}.",
     )
+    harness_args: list[str] = Field(
+        default_factory=list,
+        description="Extra arguments appended to the claude-code or codex command line "
+        "(e.g. --tools Write,Bash --system-prompt '...' to shorten Claude Code's prompt).",
+    )
     task_set: str = Field(
         "toy",
         description="A named task set (toy, nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
@@ -52,7 +57,10 @@ class AgentSection(Section):
         1024, ge=0, description="Largest file an execution may write, MiB (0: no limit)."
     )
     max_disk_mb: int = Field(
-        4096, ge=0, description="Disk an execution's workspace, HOME and TMPDIR may fill, MiB (0: no limit)."
+        4096,
+        ge=0,
+        description="Disk an execution may add to its workspace, HOME and TMPDIR, MiB (0: no limit); its "
+        "evaluator may add as much again.",
     )
     env_passthrough: list[str] = Field(
         default_factory=list,

@@ -73,8 +73,10 @@ def build_harness(
     home: Path,
     as_root: bool,
     template: list[str] | None = None,
+    extra_args: list[str] | None = None,
 ) -> HarnessSpec:
     """The spec that starts `harness` on `prompt`; `as_root`: the harness will run with uid 0."""
+    extra = list(extra_args or [])
     openai_url = base_url.rstrip("/") + "/v1"
     anthropic_url = base_url.rstrip("/")
     if harness == "toy":
@@ -84,12 +86,12 @@ def build_harness(
         if claude is None:
             raise FileNotFoundError("Claude Code is not installed; run: make install-harnesses")
         env = {"IS_SANDBOX": "1"} if as_root else {}
-        return HarnessSpec([claude, "-p", prompt, "--dangerously-skip-permissions"], env)
+        return HarnessSpec([claude, "-p", prompt, "--dangerously-skip-permissions", *extra], env)
     if harness == "codex":
         codex = codex_binary()
         if codex is None:
             raise FileNotFoundError("Codex is not installed; run: make install-harnesses")
-        command = [codex, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", prompt]
+        command = [codex, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", *extra, prompt]
         return HarnessSpec(command, {}, {".codex/config.toml": codex_config(openai_url)})
     if harness == "command":
         if not template:

@@ -73,7 +73,7 @@ def run_planned_execution(
         home = path.parent / f"{path.name}.home"
         spec = build_harness(
             cfg.harness, task.prompt, base_url=endpoint.base_url, workspace=path, home=home,
-            as_root=runs_as_root(cfg), template=cfg.command,
+            as_root=runs_as_root(cfg), template=cfg.command, extra_args=cfg.harness_args,
         )  # fmt: skip
         env = {
             "GYRE_TOY_TURNS": str(cfg.toy_turns),

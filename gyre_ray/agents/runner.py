@@ -20,7 +20,15 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gyre_ray.agents.sandbox import Identity, Limits, acquire_identity, harness_env, prepare_folders, reclaim
+from gyre_ray.agents.sandbox import (
+    Identity,
+    Limits,
+    acquire_identity,
+    harness_env,
+    make_private,
+    prepare_folders,
+    reclaim,
+)
 from gyre_ray.agents.supervise import supervise
 from gyre_ray.envs.base import EvalContext, EvalResult, Task, evaluate_with_retries
 
@@ -121,6 +129,9 @@ def _run(
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
         (home / rel).write_text(text)
     prepare_folders(identity, workspace, home, tmp)
+    hidden = getattr(task.evaluate, "hidden", None)
+    if hidden is not None and identity.dedicated:
+        make_private(hidden)  # the agent never sees the hidden tests, not even where the task file is
     log_path = workspace.parent / f"{workspace.name}.log"
     values = {
         "OPENAI_BASE_URL": endpoint.base_url.rstrip("/") + "/v1",

@@ -307,6 +307,13 @@ def kill_all(identity: Identity, session: int | None, wait_s: float = 10.0) -> b
         time.sleep(0.05)
 
 
+def make_private(path: Path) -> None:
+    """Close `path` (e.g. a task's hidden tests) to everyone but the job's uid, where it is the job's."""
+    st = path.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.chmod(path, st.st_mode & 0o7700)
+
+
 def protect_job_folders(workspaces: Path, private: tuple[str, ...] = ("records",)) -> None:
     """In the job's run folder (`workspaces`' parent): executions may traverse to their workspaces but
     list nothing, and read none of the job's files; `private` folders are created 0700 if missing."""

@@ -49,15 +49,17 @@ def _over_limit(identity: Identity, session: int, limits: Limits) -> str:
 
 
 class _DiskWatch:
-    """Disk use of the folders, checked often while walking them is cheap, rarer where it is costly."""
+    """Disk the command adds to the folders (over what they held when it started: seeds, or what a
+    harness left for its evaluator), checked often while walking them is cheap, rarer where costly."""
 
     def __init__(self, folders: list[Path], limit_mb: int) -> None:
         self.folders, self.limit_mb, self.next_at = folders, limit_mb, 0.0
+        self.baseline = disk_mb(folders) if limit_mb else 0.0
 
     def over(self, now: float) -> str:
         if not self.limit_mb or now < self.next_at:
             return ""
-        used = disk_mb(self.folders)
+        used = disk_mb(self.folders) - self.baseline
         self.next_at = now + max(POLL_S, 20 * (time.monotonic() - now))
         return f"disk limit ({self.limit_mb} MiB)" if used > self.limit_mb else ""
 

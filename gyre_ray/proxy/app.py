@@ -2,7 +2,8 @@
 
 Model APIs (an execution's API key as `Authorization: Bearer` or `x-api-key`):
   POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
-  POST /v1/messages, POST /v1/messages/count_tokens (query strings such as ?beta=true are ignored).
+  POST /v1/messages, POST /v1/messages/count_tokens (query strings such as ?beta=true are ignored),
+  POST /v1/responses (the Responses API).
 Admin API (the admin token, same headers):
   POST /gyre/executions -> {"execution_id", "api_key"};  POST /gyre/executions/{id}/finish;
   GET /gyre/executions/{id}/records (JSONL; an execution's own key may read its own records);
@@ -24,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from gyre_ray.proxy import anthropic_api, openai_api
+from gyre_ray.proxy import anthropic_api, openai_api, responses_api
 from gyre_ray.proxy.errors import ApiError, error_body, flavor_for_path
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,10 @@ def build_app(service: Any) -> FastAPI:
         if not any(service.is_admin(k) for k in _credentials(request)):
             await execution_of(request)
         return openai_api.models(service)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await model_call(request, responses_api.responses)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

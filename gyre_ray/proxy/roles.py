@@ -4,6 +4,8 @@ An `X-Gyre-Role` header decides when present. Otherwise per-harness rules read t
 - Claude Code (user agent `claude-cli/...`): a sub-agent (its Agent tool) sends `cc_is_subagent=true`
   in the `x-anthropic-billing-header` line of its system prompt (older versions introduce it as
   "an agent for Claude Code"); a compaction call asks for a detailed summary of the conversation.
+- Codex (`x-codex-turn-metadata` header, JSON): a `request_kind` naming a compaction makes the call
+  a summary; an `agent_name` other than the main agent's makes it a sub-agent's (`codex_role`).
 - Any harness: the first system prompt an execution sends is its main one; a call with another
   system prompt is a sub-agent; a call whose last user turn asks for a conversation summary is a
   summary of the branch it would otherwise belong to.
@@ -12,6 +14,7 @@ An `X-Gyre-Role` header decides when present. Otherwise per-harness rules read t
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 
 from gyre_ray.proxy.prompt import ChatPrompt
@@ -79,3 +82,27 @@ def classify_role(
         sub_agent = main_fingerprint is not None and fingerprint != main_fingerprint
     base = "sub-agent" if sub_agent else "main"
     return f"{base}-summary" if summary else base
+
+
+CODEX_MAIN_AGENTS = {"", "main", "default", "root"}  # Codex 0.171 names its main agent "/root"
+
+
+def codex_role(headers: dict[str, str]) -> str | None:
+    """A role from Codex's `x-codex-turn-metadata` header, or None when it says nothing decisive
+    (then the generic rules apply). `headers` has lower-case names."""
+    raw = headers.get("x-codex-turn-metadata")
+    if not raw:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(meta, dict):
+        return None
+    kind = str(meta.get("request_kind") or "").lower()
+    agent = str(meta.get("agent_name") or "").lower().strip("/")
+    summary = "compact" in kind or "summar" in kind
+    sub_agent = agent not in CODEX_MAIN_AGENTS
+    if not (summary or sub_agent):
+        return None
+    return ("sub-agent" if sub_agent else "main") + ("-summary" if summary else "")
