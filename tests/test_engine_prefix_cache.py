@@ -94,3 +94,29 @@ def test_clear_drops_everything() -> None:
     cache.insert([1, 2, 3], kv_for([1, 2, 3]))
     cache.clear()
     assert cache.stored_tokens == 0 and cache.match([1, 2, 3]) == (0, None)
+
+
+def test_a_hit_is_copied_once_into_a_buffer_sized_for_the_prompt() -> None:
+    cache = PrefixCache(1000)
+    a, b = [1, 2, 3, 4], [1, 2, 3, 9, 8]
+    cache.insert(a, kv_for(a))
+    cache.insert(b, kv_for(b))  # the tree now holds [1, 2, 3] -> {[4], [9, 8]}: a hit spans two edges
+    n, kv = cache.match(b + [7], capacity=20)
+    assert n == 5 and kv.capacity == 20
+    assert_is_kv_of(kv, b)
+    before = kv._k[0].data_ptr()
+    kv.update(0, torch.zeros(1, HEADS, 3, DIM), torch.zeros(1, HEADS, 3, DIM))
+    assert kv._k[0].data_ptr() == before  # the prompt's remaining tokens append without regrowing
+
+
+def test_an_owned_cache_becomes_a_new_root_edge_without_a_copy() -> None:
+    cache = PrefixCache(1000)
+    a = [5, 6, 7]
+    handed_over, kept = kv_for(a), kv_for(a)
+    cache.insert(a, handed_over, owned=True)
+    other = PrefixCache(1000)
+    other.insert(a, kept)
+    shared = cache._root.children[5].k[0]
+    assert shared.data_ptr() == handed_over.keys(0)[0].data_ptr()
+    assert other._root.children[5].k[0].data_ptr() != kept.keys(0)[0].data_ptr()
+    assert_is_kv_of(cache.match(a)[1], a)

@@ -2,7 +2,7 @@
 
 A later turn of an agent session re-sends its earlier prompt plus the model's own output and a new
 message; the engine looks the prompt up here and prefills only what follows the longest cached
-prefix. Each edge of the tree stores the keys/values of its tokens (per layer, `(n_kv, n, head_dim)`
+prefix (its KV copied once into the request's cache). Each edge of the tree stores the keys/values of its tokens (per layer, `(n_kv, n, head_dim)`
 CPU/engine-device tensors), so a match is the concatenation of the KV along one root path. Eviction
 removes least-recently-used leaves until the stored tokens fit the budget; parents left childless
 become leaves in turn. Cached KV belongs to one set of weights: the engine clears the tree when the
@@ -66,6 +66,12 @@ def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _edge(buf: torch.Tensor, row: int, start: int, stop: int, share: bool) -> torch.Tensor:
+    """Positions [start, stop) of row `row` of a (B, H, S, D) buffer: a view when shared, else a copy."""
+    part = buf[row, :, start:stop]
+    return part if share else part.clone()
+
+
 class PrefixCache:
     """Token-prefix -> KV store with a token budget (0 disables caching)."""
 
@@ -85,38 +91,51 @@ class PrefixCache:
         self.stored_tokens = 0
         self.nodes = 0
 
-    def match(self, tokens: Sequence[int], limit: int | None = None) -> tuple[int, KVCache | None]:
-        """Longest cached prefix of `tokens[:limit]`: (its length, a fresh single-row KVCache) or (0, None)."""
+    def match(
+        self, tokens: Sequence[int], limit: int | None = None, capacity: int = 0
+    ) -> tuple[int, KVCache | None]:
+        """Longest cached prefix of `tokens[:limit]`: (its length, a fresh single-row KVCache) or (0, None).
+
+        The matched KV is copied once, straight into the new cache's buffers, sized for at least
+        `capacity` positions (the request's prompt), so its prefill appends without regrowing.
+        """
         tokens = tokens if limit is None else tokens[:limit]
         if not self.budget_tokens or not tokens:
             return 0, None
         tick = next(self._clock)
         node, pos = self._root, 0
-        ks: list[list[torch.Tensor]] = []
-        vs: list[list[torch.Tensor]] = []
+        pieces: list[tuple[_Node, int]] = []  # (node, tokens of its edge used)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 break
             n = _common_length(child.tokens, tokens[pos:])
             child.last_used = tick
-            ks.append([k[:, :n] for k in child.k])
-            vs.append([v[:, :n] for v in child.v])
+            pieces.append((child, n))
             pos += n
             if n < len(child.tokens):
                 break
             node = child
         if pos == 0:
             return 0, None
-        layers = len(ks[0])
-        state = {}
-        for i in range(layers):
-            state[f"k.{i}"] = torch.cat([seg[i] for seg in ks], dim=1).unsqueeze(0)
-            state[f"v.{i}"] = torch.cat([seg[i] for seg in vs], dim=1).unsqueeze(0)
-        return pos, KVCache.from_state(state)
+        ks, vs = [], []
+        for layer in range(len(pieces[0][0].k)):
+            ref = pieces[0][0].k[layer]
+            for bufs, side in ((ks, "k"), (vs, "v")):
+                buf = ref.new_empty((1, ref.size(0), max(pos, capacity), ref.size(2)))
+                at = 0
+                for piece, n in pieces:
+                    buf[0, :, at : at + n] = getattr(piece, side)[layer][:, :n]
+                    at += n
+                bufs.append(buf)
+        return pos, KVCache.from_buffers(ks, vs, pos)
 
-    def insert(self, tokens: Sequence[int], cache: KVCache, row: int = 0) -> int:
-        """Store the KV of `tokens` (row `row` of `cache` covers them from position 0); return tokens added."""
+    def insert(self, tokens: Sequence[int], cache: KVCache, row: int = 0, owned: bool = False) -> int:
+        """Store the KV of `tokens` (row `row` of `cache` covers them from position 0); return tokens added.
+
+        `owned`: the caller hands `cache` over (it is not used afterwards), so a new root edge keeps
+        views of its buffers instead of a copy.
+        """
         if not self.budget_tokens or not tokens:
             return 0
         if cache.length < len(tokens):
@@ -127,10 +146,11 @@ class PrefixCache:
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
+                share = owned and pos == 0 and cache.batch_size == 1 and cache.length == len(tokens)
                 leaf = _Node(
                     tokens[pos:],
-                    [cache.keys(i)[row, :, pos : len(tokens)].clone() for i in range(cache.num_layers)],
-                    [cache.values(i)[row, :, pos : len(tokens)].clone() for i in range(cache.num_layers)],
+                    [_edge(cache.keys(i), row, pos, len(tokens), share) for i in range(cache.num_layers)],
+                    [_edge(cache.values(i), row, pos, len(tokens), share) for i in range(cache.num_layers)],
                     node,
                     tick,
                 )

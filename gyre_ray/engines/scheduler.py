@@ -2,9 +2,11 @@
 
 `Scheduler.step()` is one iteration of continuous batching:
 
-1. prefill waiting requests one at a time with no explicit mask (causal over cache + new tokens),
-   up to `prefill_chunk_tokens` tokens, so a long prompt spreads over several iterations while the
-   running requests keep decoding; a prompt first takes its longest prefix from the prefix cache;
+1. prefill waiting requests, up to `prefill_chunk_tokens` new tokens in all, in ONE forward: their
+   new tokens side by side in a packed row, each request attending causally over its own cache
+   (`gyre_ray.model.packed_kv`), so the weights are read once per round, not once per request; a
+   long prompt spreads over several rounds while the running requests keep decoding; a prompt
+   first takes its longest prefix from the prefix cache;
 2. one decode step per decode batch: every running request feeds its last sampled token, rows
    padded to a common cache length with an explicit mask and true position ids.
 
@@ -27,6 +29,7 @@ from gyre_ray.engines.prefix_cache import PrefixCache
 from gyre_ray.engines.requests import ActiveRequest, Outbox
 from gyre_ray.engines.sampling import sample_rows
 from gyre_ray.model.kv_cache import KVCache
+from gyre_ray.model.packed_kv import PackedCaches
 
 
 class Scheduler:
@@ -87,7 +90,7 @@ class Scheduler:
         if detached is None:
             return None
         req, cache = detached
-        self._cache_prefix(req, cache)
+        self._cache_prefix(req, cache, owned=True)
         self._end(req, "aborted", aborted=True)
         return req.final
 
@@ -161,68 +164,107 @@ class Scheduler:
         self.stats["failed"] += 1
         self.outbox.put(req.sink, exc)
 
-    def _cache_prefix(self, req: ActiveRequest, cache: KVCache | None) -> None:
-        """Offer a request's KV to the prefix cache, unless part of it predates the current weights."""
+    def _cache_prefix(self, req: ActiveRequest, cache: KVCache | None, owned: bool = False) -> None:
+        """Offer a request's KV to the prefix cache, unless part of it predates the current weights.
+
+        `owned`: `cache` is not used afterwards (the tree may keep views of it instead of a copy)."""
         if (
             req.kv_version == self.version
             and cache is not None
             and cache.length
             and self.prefix.budget_tokens
         ):
-            self.prefix.insert(req.context[: cache.length], cache)
+            self.prefix.insert(req.context[: cache.length], cache, owned=owned)
 
     # ------------------------------------------------------------------ model steps
     def _admit(self) -> None:
+        """Prefill the waiting requests that fit this round's token budget in one packed forward."""
         budget = self.prefill_chunk_tokens
-        while self.waiting and budget > 0 and self.running < self.max_batch_size:
-            req = self.waiting[0]
-            try:
-                computed, event = self._prefill(req, budget)
-            except Exception as exc:  # this request fails; the others keep going
-                self.waiting.popleft()
+        slots = self.max_batch_size - self.running
+        group: list[tuple[ActiveRequest, int, int]] = []  # (request, first, last + 1 context position)
+        for req in self.waiting:
+            if budget <= 0 or len(group) >= slots:
+                break
+            start, target = self._prepare(req)
+            stop = min(target, start + budget)
+            group.append((req, start, stop))
+            budget -= stop - start
+        if not group:
+            return
+        try:
+            events = self._prefill(group)
+        except Exception as exc:  # these requests fail (their caches are as before); the others go on
+            for req, _, _ in group:
+                self.waiting.remove(req)
                 self._fail(req, exc)
-                continue
-            budget -= computed
+            return
+        for req, _, _ in group:
             if req.kv_length < req.kv_target:
-                return  # budget spent inside this prompt: continue it next iteration
-            self.waiting.popleft()
+                continue  # budget spent inside this prompt: continue it next round
+            self.waiting.remove(req)
             if req.finish_reason is not None:  # the first token already ended it
                 req.cache = None
                 self._end(req, "finished")
             else:
                 self._join(req)
+            event = events.get(req.rid)
             if event is not None:
                 self.outbox.put(req.sink, event)
 
-    def _prefill(self, req: ActiveRequest, budget: int) -> tuple[int, TokenEvent | None]:
-        """Compute up to `budget` more KV positions of `req`; sample its first token when the prompt is done."""
-        if req.cache is None:
-            req.cache = KVCache()
+    def _prepare(self, req: ActiveRequest) -> tuple[int, int]:
+        """Give `req` its cache (from the prefix cache where it can); (positions computed, positions needed)."""
         if req.kv_version is None:
             req.kv_version = self.version
+        target = req.kv_target if req.output_ids else len(req.input_ids)
+        if req.cache is None:
+            req.cache = KVCache()
         if not req.prefix_looked_up:
             req.prefix_looked_up = True
             limit = req.kv_target if req.output_ids else len(req.input_ids) - 1
-            hit, cache = self.prefix.match(req.context, limit)
+            hit, cache = self.prefix.match(req.context, limit, capacity=target)
             if cache is not None:
                 req.cache, req.cached_tokens = cache, hit
                 self.stats["prefix_cached_tokens"] += hit
-        target = req.kv_target if req.output_ids else len(req.input_ids)
-        start = req.cache.length
-        stop = min(target, start + budget)
-        if stop <= start:
-            return 0, None
-        req.cache.reserve(target)
-        ids = torch.tensor([req.context[start:stop]], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, stop, dtype=torch.long, device=self.device).unsqueeze(0)
-        logits = self.model(ids, positions, None, req.cache, logits_to_keep=1)
-        self.stats["prefill_computed_tokens"] += stop - start
-        if stop == target and not req.output_ids:
+        return req.cache.length, target
+
+    def _prefill(self, group: list[tuple[ActiveRequest, int, int]]) -> dict[str, TokenEvent]:
+        """One forward over the new tokens of every request in `group`; first tokens of finished prompts."""
+        work = [(req, start, stop) for req, start, stop in group if stop > start]
+        if not work:
+            return {}
+        ids, positions = [], []
+        for req, start, stop in work:
+            req.cache.reserve(req.kv_target if req.output_ids else len(req.input_ids))
+            ids.extend(req.context[start:stop])
+            positions.extend(range(start, stop))
+        packed = PackedCaches(
+            [req.cache for req, _, _ in work],
+            [stop - start for _, start, stop in work],
+            self.device,
+            self.model.args.num_attention_heads,
+        )
+        hidden = self.model.hidden_states(
+            torch.tensor([ids], dtype=torch.long, device=self.device),
+            torch.tensor([positions], dtype=torch.long, device=self.device),
+            None,
+            packed,
+        )
+        self.stats["prefill_computed_tokens"] += packed.tokens
+        done = [
+            i for i, (req, _, stop) in enumerate(work) if stop == len(req.input_ids) and not req.output_ids
+        ]
+        if not done:
+            return {}
+        columns = torch.tensor([packed.last_columns()[i] for i in done], device=self.device)
+        logits = self.model.lm_head(hidden[0, columns])
+        rows = [work[i][0] for i in done]
+        tokens, logprobs = sample_rows(logits, [r.sampling for r in rows], [r.generator for r in rows])
+        events = {}
+        for req, token, logprob in zip(rows, tokens, logprobs, strict=True):
             self._cache_prefix(req, req.cache)
-            tokens, logprobs = sample_rows(logits[:, -1], [req.sampling], [req.generator])
             self.stats["decode_tokens"] += 1
-            return stop - start, req.add_token(tokens[0], logprobs[0], self.version)
-        return stop - start, None
+            events[req.rid] = req.add_token(token, logprob, self.version)
+        return events
 
     def _join(self, req: ActiveRequest) -> None:
         cache, req.cache = req.cache, None
@@ -257,7 +299,7 @@ class Scheduler:
             if req.finish_reason is not None:
                 finished.append(index)
                 if self.prefix.budget_tokens and req.kv_version == self.version:
-                    self._cache_prefix(req, batch.row_cache(index))
+                    self._cache_prefix(req, batch.row_cache(index), owned=True)
         batch.remove(finished)
         if not batch:
             self.batches.remove(batch)

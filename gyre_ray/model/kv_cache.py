@@ -156,6 +156,18 @@ class KVCache:
             self.length,
         )
 
+    def select_columns(self, row: int, columns: torch.Tensor) -> KVCache:
+        """A standalone single-row cache of row `row`'s positions where `columns` (length,) bool is True
+        (one copy)."""
+        if not self._k:
+            return KVCache()
+        cols = columns[: self.length].nonzero().squeeze(-1).to(self.device)
+        return self._from_layers(
+            [k[row : row + 1, :, : self.length].index_select(2, cols) for k in self._k],
+            [v[row : row + 1, :, : self.length].index_select(2, cols) for v in self._v],
+            int(cols.numel()),
+        )
+
     @classmethod
     def stack(cls, caches: Sequence[KVCache], pad_to: int | None = None) -> KVCache:
         """Concatenate caches along the batch, right-padding each to `pad_to` (default: longest) with zeros.
@@ -238,6 +250,16 @@ class KVCache:
         if len(lengths) > 1:
             raise ValueError(f"KVCache.from_state: layers have different lengths {sorted(lengths)}")
         return cls._from_layers(ks, vs, lengths.pop() if lengths else 0)
+
+    @classmethod
+    def from_buffers(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], length: int) -> KVCache:
+        """A cache over existing per-layer (B, H_kv, capacity, D) buffers whose first `length` positions
+        are valid (no copy: the cache takes the buffers over)."""
+        if len(ks) != len(vs) or any(k.shape != v.shape for k, v in zip(ks, vs, strict=True)):
+            raise ValueError("KVCache.from_buffers: keys and values must be per-layer buffers of one shape")
+        if any(k.size(2) < length for k in ks):
+            raise ValueError(f"KVCache.from_buffers: buffers shorter than length {length}")
+        return cls._from_layers(ks, vs, length)
 
     @classmethod
     def _from_layers(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], length: int) -> KVCache:

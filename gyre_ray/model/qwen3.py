@@ -17,6 +17,7 @@ from torch import nn
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.attention import AttentionPlan, attend, plan_attention, plan_causal
 from gyre_ray.model.kv_cache import KVCache
+from gyre_ray.model.packed_kv import PackedCaches
 
 
 class RMSNorm(nn.Module):
@@ -80,7 +81,7 @@ class Qwen3Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | AttentionPlan | None,
-        kv_cache: KVCache | None,
+        kv_cache: KVCache | PackedCaches | None,
     ) -> torch.Tensor:
         batch, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, t, self.num_heads, self.head_dim)).transpose(1, 2)
@@ -89,10 +90,14 @@ class Qwen3Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         past_len = 0
-        if kv_cache is not None:
-            past_len = kv_cache.length
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = attend(q, k, v, mask, past_len)
+        if isinstance(kv_cache, PackedCaches):  # several requests side by side, each its own cache
+            kv_cache.update(self.layer_idx, k, v)
+            out = kv_cache.attend(q)
+        else:
+            if kv_cache is not None:
+                past_len = kv_cache.length
+                k, v = kv_cache.update(self.layer_idx, k, v)
+            out = attend(q, k, v, mask, past_len)
         return self.o_proj(out.transpose(1, 2).reshape(batch, t, self.num_heads * self.head_dim))
 
 
@@ -120,7 +125,7 @@ class Qwen3DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | AttentionPlan | None,
-        kv_cache: KVCache | None,
+        kv_cache: KVCache | PackedCaches | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -157,7 +162,7 @@ class Qwen3ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PackedCaches | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, hidden); same arguments as `forward`."""
         if input_ids.dim() != 2:
@@ -208,7 +213,7 @@ class Qwen3ForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PackedCaches | None = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, T, V); with `logits_to_keep` = n > 0 only those of the last n tokens (B, n, V).
