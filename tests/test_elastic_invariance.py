@@ -23,6 +23,7 @@ from gyre_ray.trainers.batch import MicroBatch
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.trajectory.pipeline import build_training_batches
 from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_execution
+from gyre_ray.transfer import make_transport
 
 MODEL = {"preset": "tiny", "dtype": "float64", "seed": 3}
 TRAINER = {"lr": 1e-3, "grad_clip": 0.0}
@@ -185,7 +186,7 @@ def test_satellite_refuses_to_leave_with_unexported_gradients(batches) -> None:
             await sat.to_rollout(start, 0)
         with pytest.raises(RuntimeError, match="core only"):
             await sat.optimizer_step(1.0)
-        grads = await sat.export_grads()
+        grads = make_transport("object_store", owner="test").fetch(await sat.export_grads())
         assert any(float(g.abs().sum()) > 0 for g in grads.values())
         await sat.to_rollout(start, 0)
         assert sat.role == "rollout" and sat.engine.stats()["version"] == 0

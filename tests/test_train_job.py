@@ -1,11 +1,13 @@
 """The training job end to end on the embedded default, on-policy (`scheduler.staleness=0`): local Ray,
 two dual-role cells behind the proxy, the scheduler actor, the toy harness, the elastic policy, tree
 processing, one GSPO step per RL step on the core, the new weights rolled out by every cell, and the
-run's trace.jsonl / costs.json."""
+run's trace.jsonl / costs.json. Weights and gradients move through Mooncake (TCP on loopback) here, so
+a job runs end to end on it; the other runtime tests use the default object store."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,8 +17,15 @@ from gyre_ray.model.checkpoint import load_hf
 from gyre_ray.runtime.report import COST_KEYS
 from gyre_ray.train import format_summary, train
 from gyre_ray.trajectory.records import read_jsonl
+from gyre_ray.transfer.mooncake import mooncake_available
 
 ROOT = Path(__file__).resolve().parents[1]
+# Mooncake where it loads (always under CI, where the install must have brought it)
+TRANSFER = (
+    ["transfer.weights=mooncake", "transfer.gradients=mooncake"]
+    if mooncake_available()[0] or os.environ.get("CI") == "true"
+    else []
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +40,7 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "algo.group_size=3",
             "run.wandb_mode=disabled",
             "scheduler.staleness=0",
+            *TRANSFER,
         ],
     )
     return train(cfg)

@@ -165,6 +165,15 @@ def test_kv_state_moves_between_cells(backend: str) -> None:
     assert _same(ray.get(b.fetch.remote(ticket)), state)
 
 
+@needs_mooncake
+def test_mooncake_refuses_a_ticket_whose_buffer_was_reused() -> None:
+    core, cell, _ = _peers("mooncake")
+    tickets = [ray.get(core.stage.remote({"x": torch.full((4,), float(i))}, "kv")) for i in range(3)]
+    assert ray.get(cell.fetch.remote(tickets[2]))["x"].tolist() == [2.0] * 4
+    with pytest.raises(ray.exceptions.RayTaskError, match="ticket too old"):
+        ray.get(cell.fetch.remote(tickets[0]))  # two staging buffers: the third stage reused the first's
+
+
 def _kill_and_wait(actor: Any, timeout_s: float = 120.0) -> None:
     """Kill `actor` and return once its process is gone (Ray reports it dead while it still exits)."""
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))

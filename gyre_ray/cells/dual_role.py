@@ -5,9 +5,15 @@ One role is active at a time. The switch protocol (the scheduler, `gyre_ray.runt
     cell.drain()                       # every proxy replica stops routing here; in-flight requests move with their KV
     cell.to_training(weights, v)       # engine releases memory, trainer loads weights v (core: keeps its own)
     cell.train(micro_batch) ...        # forward/backward, gradients *summed* (any number of calls)
-    cell.export_grads()                # satellite: hand the sum to the core (and zero it here)
+    cell.export_grads()                # satellite: stage the sum for the core (and zero it here)
     cell.to_rollout(weights, v)        # trainer drops nothing un-exported; engine resumes and loads weights v
     cell.undrain()
+
+Weights and gradients go through the transfer seam (`gyre_ray.transfer`, backends from the `transfer`
+config section): the core's `publish_weights()` returns a `Ticket` that any cell method taking
+`weights` accepts (a plain state dict still works), `export_grads()` returns a gradient ticket that
+the core's `import_grads` fetches. Pull backends only here (object store, Mooncake): collectives
+need the sender and receivers to meet, which the runtime's calls do not arrange yet.
 
 The **core** (the cell the runtime names, `is_core=True`) owns the authoritative weights and the
 optimizer state. It imports the satellites' gradients (`import_grads`), steps once (`optimizer_step(scale)`, scale = 1 / executions)
@@ -29,17 +35,35 @@ from typing import Any
 from gyre_ray.cells.cell import EngineFactory, RolloutCell
 from gyre_ray.trainers.base import Trainer
 from gyre_ray.trainers.batch import MicroBatch
+from gyre_ray.transfer import Ticket, Transport, make_transport
+from gyre_ray.transfer.config import TransferSection
+from gyre_ray.transfer.weights import WeightPublisher
+
+PULL_BACKENDS = ("object_store", "mooncake")
 
 ROLLOUT, TRAIN = "rollout", "train"
 
 
 @dataclass
 class TrainerFactory:
-    """Builds the trainer replica inside the cell: the `model`, `trainer` and `algo` sections (dumped dicts)."""
+    """Builds the trainer replica inside the cell: the `model`, `trainer` and `algo` sections (dumped dicts);
+    `transfer` is how the cell's weights and gradients move (the `transfer` section)."""
 
     model: dict[str, Any] = field(default_factory=dict)
     trainer: dict[str, Any] = field(default_factory=dict)
     algo: dict[str, Any] = field(default_factory=dict)
+    transfer: dict[str, Any] = field(default_factory=dict)
+
+    def transfer_section(self) -> TransferSection:
+        """The validated `transfer` section; collectives are refused (see the module docstring)."""
+        section = TransferSection.model_validate(self.transfer)
+        for what in ("weights", "gradients"):
+            if getattr(section, what) not in PULL_BACKENDS:
+                raise ValueError(
+                    f"transfer.{what}={getattr(section, what)!r} is not wired into the cells yet; "
+                    f"use one of {', '.join(PULL_BACKENDS)}"
+                )
+        return section
 
     def __call__(self) -> Trainer:
         from gyre_ray.algo import get_loss
@@ -75,6 +99,14 @@ class DualRoleCell(RolloutCell):
         self._role = ROLLOUT
         self._lock = asyncio.Lock()
         self._trained = 0  # micro-batches trained here since the last export (or optimizer step)
+        section = trainer_factory.transfer_section()
+        self._weights_tx: Transport = make_transport(section.weights, section, owner=cell_id)
+        self._grads_tx: Transport = (
+            self._weights_tx
+            if section.gradients == section.weights
+            else make_transport(section.gradients, section, owner=cell_id)
+        )
+        self._publisher = WeightPublisher(self._weights_tx)
 
     async def setup(self) -> dict[str, Any]:
         """Build the engine and the trainer replica (heavy: both load the model); returns `status()`."""
@@ -99,7 +131,7 @@ class DualRoleCell(RolloutCell):
 
     # ---- role switches --------------------------------------------------------------------------
     async def to_training(
-        self, weights: dict[str, Any] | None, version: int, timeout_s: float = 60.0
+        self, weights: Ticket | dict[str, Any] | None, version: int, timeout_s: float = 60.0
     ) -> dict[str, Any]:
         """Become a trainer: wait for migrated requests to leave, free the engine, load `weights` at `version`.
 
@@ -114,6 +146,7 @@ class DualRoleCell(RolloutCell):
         await self._wait_idle(timeout_s)
         await self._engine().release_memory()
         trainer = self._trainer()
+        weights = await self._fetch(weights)
         async with self._lock:
             if weights is not None:
                 await asyncio.to_thread(trainer.load_state_dict, weights, version)
@@ -127,7 +160,7 @@ class DualRoleCell(RolloutCell):
         return {"seconds": time.perf_counter() - started, "version": trainer.version}
 
     async def to_rollout(
-        self, weights: dict[str, Any] | None, version: int, discard_grads: bool = False
+        self, weights: Ticket | dict[str, Any] | None, version: int, discard_grads: bool = False
     ) -> dict[str, Any]:
         """Become a rollout engine again, serving `weights` at `version` (core: its own when None).
 
@@ -138,6 +171,7 @@ class DualRoleCell(RolloutCell):
         if self._role != TRAIN:
             raise RuntimeError(f"cell {self.cell_id} is not training")
         trainer = self._trainer()
+        weights = await self._fetch(weights)
         async with self._lock:
             if not self.is_core:
                 if self._trained and not discard_grads:
@@ -159,7 +193,7 @@ class DualRoleCell(RolloutCell):
         return {"seconds": time.perf_counter() - started, "version": version}
 
     async def switch_to_training(
-        self, weights: dict[str, Any] | None, version: int, timeout_s: float = 60.0
+        self, weights: Ticket | dict[str, Any] | None, version: int, timeout_s: float = 60.0
     ) -> dict[str, Any]:
         """Drain (this cell's own flag, which every proxy replica routes by), then `to_training`.
 
@@ -173,26 +207,27 @@ class DualRoleCell(RolloutCell):
         return result
 
     async def switch_to_rollout(
-        self, weights: dict[str, Any] | None, version: int, discard_grads: bool = False
+        self, weights: Ticket | dict[str, Any] | None, version: int, discard_grads: bool = False
     ) -> dict[str, Any]:
         """`to_rollout`, then undrain: every proxy replica routes here again once it reads the flag."""
         result = await self.to_rollout(weights, version, discard_grads)
         await self.undrain()
         return result
 
-    async def load_and_undrain(self, weights: dict[str, Any] | None, version: int) -> dict[str, Any]:
+    async def load_and_undrain(self, weights: Ticket | dict[str, Any] | None, version: int) -> dict[str, Any]:
         """A cell back in rollout: load `weights` (the version published during its switch) if given, then undrain."""
         if weights is not None:
-            await self._engine().update_weights(weights, version)
+            await self._engine().update_weights(await self._fetch(weights), version)
         await self.undrain()
         return {"version": self._engine().stats().get("version")}
 
-    async def load_trainer_weights(self, weights: dict[str, Any], version: int) -> dict[str, Any]:
+    async def load_trainer_weights(self, weights: Ticket | dict[str, Any], version: int) -> dict[str, Any]:
         """A training satellite takes the newly published version before its next micro-step."""
         started = time.perf_counter()
         if self.is_core:
             raise RuntimeError(f"core {self.cell_id} owns the weights; it does not load them")
         trainer = self._trainer()
+        weights = await self._fetch(weights)
         async with self._lock:
             if self._trained:
                 raise RuntimeError(
@@ -201,6 +236,10 @@ class DualRoleCell(RolloutCell):
                 )
             await asyncio.to_thread(trainer.load_state_dict, weights, version)
         return {"seconds": time.perf_counter() - started, "version": version}
+
+    async def update_weights(self, state_dict: Ticket | dict[str, Any], version: int) -> dict[str, Any]:
+        """A rollout cell loads a published version (a weight ticket or a state dict) at its next safe point."""
+        return await super().update_weights(await self._fetch(state_dict), version)
 
     def versions(self) -> dict[str, Any]:
         """Role, the trainer's version and the engine's version."""
@@ -220,19 +259,22 @@ class DualRoleCell(RolloutCell):
         metrics["seconds"] = time.perf_counter() - started
         return metrics
 
-    async def export_grads(self) -> dict[str, Any]:
-        """The summed gradients of this replica (CPU tensors by name); they are zeroed here."""
+    async def export_grads(self) -> Ticket:
+        """Stage the summed gradients of this replica for the core (a ticket); they are zeroed here."""
         trainer = self._trainer()
         async with self._lock:
             grads = await asyncio.to_thread(trainer.export_grads)
             trainer.zero_grads()
             self._trained = 0
-        return grads
+            version = trainer.version
+        return await asyncio.to_thread(self._grads_tx.stage, grads, kind="grads", version=version, dst_rank=0)
 
-    async def import_grads(self, grads: dict[str, Any]) -> int:
-        """Core: add a satellite's exported gradients; returns how many tensors were added."""
+    async def import_grads(self, grads: Ticket | dict[str, Any]) -> int:
+        """Core: add a satellite's exported gradients (a ticket, or a dict by name); returns how many tensors."""
         self._require_core("import_grads")
         trainer = self._trainer()
+        if isinstance(grads, Ticket):
+            grads = await asyncio.to_thread(self._grads_tx.fetch, grads)
         async with self._lock:
             await asyncio.to_thread(trainer.import_grads, grads)
         return len(grads)
@@ -252,6 +294,15 @@ class DualRoleCell(RolloutCell):
         async with self._lock:
             return await asyncio.to_thread(trainer.state_dict)
 
+    async def publish_weights(self) -> Ticket:
+        """Core: stage the authoritative weights at the trainer's version; the ticket is what cells load."""
+        self._require_core("publish_weights")
+        trainer = self._trainer()
+        async with self._lock:
+            state = await asyncio.to_thread(trainer.state_dict)
+            version = trainer.version
+        return await asyncio.to_thread(self._publisher.publish, state, version)
+
     def trainer_version(self) -> int:
         return self._trainer().version
 
@@ -263,6 +314,12 @@ class DualRoleCell(RolloutCell):
             return str(await asyncio.to_thread(trainer.save, folder))
 
     # ---- internals ------------------------------------------------------------------------------
+    async def _fetch(self, weights: Ticket | dict[str, Any] | None) -> dict[str, Any] | None:
+        """A weight ticket's state dict, fetched through this cell's transport (a dict or None as given)."""
+        if isinstance(weights, Ticket):
+            return await asyncio.to_thread(self._weights_tx.fetch, weights)
+        return weights
+
     def _trainer(self) -> Trainer:
         if self.trainer is None:
             raise RuntimeError(f"cell {self.cell_id} has no trainer: call setup() first")

@@ -66,7 +66,12 @@ def trainer_factory_for(config: GyreConfig) -> Any:
     """The trainer replica every dual-role cell builds: the job's model, trainer and algo sections."""
     from gyre_ray.cells.dual_role import TrainerFactory
 
-    return TrainerFactory(config.model.model_dump(), config.trainer.model_dump(), config.algo.model_dump())
+    return TrainerFactory(
+        config.model.model_dump(),
+        config.trainer.model_dump(),
+        config.algo.model_dump(),
+        config.transfer.model_dump(),
+    )
 
 
 def start_backends(

@@ -135,7 +135,7 @@ class RunScheduler:
         self.trainer_version = int(ray.get(self.actors[self.core].trainer_version.remote(), timeout=60))
         self.engine_version = [self.trainer_version] * len(self.views)
         self.sat_version = [self.trainer_version] * len(self.views)
-        self.weights = self.actors[self.core].state_dict.remote()
+        self.weights = self.actors[self.core].publish_weights.remote()  # a transfer ticket
         self.policy = policy_from_section(cfg.scheduler, len(self.views))
         self._initial_roles()
         self.t0 = time.monotonic()
@@ -466,7 +466,7 @@ class RunScheduler:
         if update.stage == "step":
             update.stage = "publish"
             update.version = int(update.metrics.get("version", self.trainer_version))
-            update.weights = core.state_dict.remote()  # one object: every cell loads it
+            update.weights = core.publish_weights.remote()  # one ticket: every cell fetches it
             for i, view in enumerate(self.views):
                 if view.phase is CellPhase.ROLLOUT:
                     update.refs.add(self.actors[i].update_weights.remote(update.weights, update.version))

@@ -8,6 +8,10 @@ reads the payload in `chunk_bytes` pieces in one batch. Over TCP registering mem
 so it reads into a fresh buffer and the tensors it returns are views into it (no second copy);
 over RDMA registration pins memory, so it keeps one registered buffer and copies the tensors out. Needs the `mooncake-transfer-engine` wheel (the non-CUDA build on CPU
 machines, with Debian's libibverbs1).
+
+Each staged buffer starts with a 64-byte header holding the stage's sequence number; the receiver
+reads it with the payload and refuses bytes whose number differs from its ticket's (the buffer was
+reused by a later stage), so a late reader fails loudly instead of mixing versions.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 import torch
 
 from gyre_ray.transfer.base import Ticket, TransferError, Transport, register_transport
-from gyre_ray.transfer.layout import plan, read_from, write_into
+from gyre_ray.transfer.layout import ALIGN, plan, read_from, write_into
+
+HEADER = ALIGN  # bytes before the payload: int64 sequence number, then padding
 
 
 def mooncake_available() -> tuple[bool, str]:
@@ -93,9 +99,10 @@ class MooncakeTransport(Transport):
         session = self.session_id
         slot = self._send[self._next % len(self._send)]
         self._next += 1
-        buffer = slot.ensure(layout.nbytes)
-        write_into(buffer, layout, tensors)
-        address = {"peer": session, "addr": buffer.data_ptr()}
+        buffer = slot.ensure(HEADER + layout.nbytes)
+        buffer[:8].view(torch.int64)[0] = self._next
+        write_into(buffer[HEADER:], layout, tensors)
+        address = {"peer": session, "addr": buffer.data_ptr(), "seq": self._next}
         return Ticket(self.name, kind, self.owner, layout, version, self._checksums(tensors), address)
 
     def fetch(self, ticket: Ticket) -> Any:
@@ -104,21 +111,26 @@ class MooncakeTransport(Transport):
         slot = self._recv if reuse else _Registered(engine)
         assert slot is not None
         try:
-            buffer = slot.ensure(ticket.nbytes)
+            buffer = slot.ensure(HEADER + ticket.nbytes)
             self._read(ticket, buffer)
         finally:
             if not reuse:
                 slot.free()  # only the registration: `buffer` lives on in the returned tensors
-        self._verify(ticket, buffer)
-        return read_from(buffer, ticket.layout, copy=reuse)
+        seq = int(buffer[:8].view(torch.int64)[0])
+        if seq != ticket.address["seq"]:
+            raise self.error(ticket, f"the sender's buffer now holds a later stage (#{seq}): ticket too old")
+        payload = buffer[HEADER : HEADER + ticket.nbytes]
+        self._verify(ticket, payload)
+        return read_from(payload, ticket.layout, copy=reuse)
 
     def _read(self, ticket: Ticket, buffer: torch.Tensor) -> None:
         engine = self.engine
         chunk = self.section.mooncake.chunk_bytes
-        offsets = list(range(0, ticket.nbytes, chunk))
+        total = HEADER + ticket.nbytes
+        offsets = list(range(0, total, chunk))
         local = [buffer.data_ptr() + o for o in offsets]
         remote = [ticket.address["addr"] + o for o in offsets]
-        lengths = [min(chunk, ticket.nbytes - o) for o in offsets]
+        lengths = [min(chunk, total - o) for o in offsets]
         if offsets:
             rc = engine.batch_transfer_sync_read(ticket.address["peer"], local, remote, lengths)
             if rc != 0:
