@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "gyre_ray.sim.cli",
     "gyre_ray.proxy.cli",
     "gyre_ray.trainers.cli",
+    "gyre_ray.observability.report",
 )
 
 

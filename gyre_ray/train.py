@@ -100,9 +100,22 @@ def train(cfg: GyreConfig, *, engine_factory: Any = None, execute: Any = None) -
         "steps": result["steps"],
         "costs": result["costs"],
         "utilisation": result["utilisation"],
+        "spans": result["spans"],  # each cell's work: (cell, rollout|training|switching, from_s, to_s)
+        "switches": result["switches"],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_report(run_dir)
     return summary
+
+
+def _write_report(run_dir: Path) -> None:
+    """The run's pictures (`gyre-ray report`); a failure to draw never fails the run."""
+    from gyre_ray.observability.report import write_report
+
+    try:
+        print(f"gyre-ray: report {write_report(run_dir)}", flush=True)
+    except Exception as exc:
+        print(f"gyre-ray: no report ({type(exc).__name__}: {exc})", flush=True)
 
 
 def _progress_note(snapshot: dict[str, Any]) -> str:

@@ -195,6 +195,7 @@ class RunRecorder:
                     "trajectories": int(stats.get("trajectories", 0)),
                     "dropped": not (outcome.valid if outcome else False),
                     "version": self.version[e],
+                    "reward": round(outcome.reward, 6) if outcome and outcome.valid else None,
                 }
             )
         return rows
@@ -218,6 +219,7 @@ class RunRecorder:
             "trace": self.trace(sched),
             "costs": costs,
             "utilisation": share,
+            "spans": [(c, k, round(lo, 4), round(hi, 4)) for c, k, lo, hi in shifted],
             "switches": list(self.events),
             "group_processing_s": round(_mean(self.group_seconds), 4),
         }
