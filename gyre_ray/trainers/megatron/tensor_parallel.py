@@ -70,7 +70,10 @@ def _rank_main(conn: Connection, rank: int, port: int, init: dict[str, Any], thr
         conn.send(("error", traceback.format_exc()))
         return
     while True:
-        method, args = conn.recv()
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the owner is gone
+            return
         if method == "close":
             conn.send(("ok", None))
             return
