@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from gyre_ray.agents.config import AgentSection
 from gyre_ray.algo.config import AlgoSection
@@ -39,6 +39,25 @@ class RunSection(Section):
         "offline", description="wandb mode (offline needs no network; `wandb sync` uploads later)."
     )
     seed: int = Field(0, description="Global seed.")
+    dashboard: bool = Field(
+        False,
+        description="A private local Ray starts its dashboard too (a cluster's Ray has its own). "
+        "Metrics are exported on `metrics_export_port` either way when it is set.",
+    )
+    metrics_export_port: int | None = Field(
+        None,
+        ge=1024,
+        le=65535,
+        description="Port where a private local Ray serves Prometheus metrics (gyre's included: "
+        "deployments/grafana/gyre-ray.json); keep it outside Ray's worker ports 10002-19999.",
+    )
+
+    @field_validator("metrics_export_port")
+    @classmethod
+    def _outside_worker_ports(cls, value: int | None) -> int | None:
+        if value is not None and 10002 <= value <= 19999:
+            raise ValueError(f"{value} is inside Ray's worker port range 10002-19999; pick another port")
+        return value
 
 
 class GyreConfig(Section):

@@ -56,8 +56,13 @@ def connect_ray(config: GyreConfig) -> bool:
             address="local",
             num_cpus=local_ray_cpus(config),
             num_gpus=gpus or None,
-            include_dashboard=False,
+            include_dashboard=config.run.dashboard,
             logging_level="WARNING",
+            **(
+                {"_metrics_export_port": config.run.metrics_export_port}
+                if config.run.metrics_export_port
+                else {}
+            ),
         )
     return True
 
