@@ -85,6 +85,7 @@ def plot_reward(steps: list[dict[str, Any]], trace: list[dict[str, Any]], path: 
     for task, series in sorted(rewards_by_task(trace).items()):
         ax.plot(list(series), list(series.values()), ".--", alpha=0.7, label=task)
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)
@@ -103,9 +104,9 @@ def plot_timeline(summary: dict[str, Any], trace: list[dict[str, Any]], path: Pa
         top.barh(row, hi - lo, left=lo, height=0.7, color=KIND_COLORS.get(kind, "#cccccc"))
     top.set_yticks(range(len(cells)), cells)
     top.invert_yaxis()
-    top.set_title("What each cell did (rollout / training / switching) and the rollout demand")
+    top.set_title("What each cell did, and the executions running", loc="left", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
-    top.legend(handles, list(KIND_COLORS), fontsize=7, loc="upper right", ncol=3)
+    top.legend(handles, list(KIND_COLORS), fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3)
     for m in summary.get("steps", []):
         if "published_at_s" in m:
             for ax in (top, bottom):
@@ -143,6 +144,7 @@ def plot_staleness(steps: list[dict[str, Any]], path: Path) -> Path:
     ax.bar(xs, [m.get("staleness", {}).get("max", 0) for m in steps], color="#fde3c4", label="max")
     ax.plot(xs, [m.get("staleness", {}).get("mean", 0.0) for m in steps], "o-", color="#e07b1a", label="mean")
     ax.set(xlabel="step", ylabel="versions behind", title="Staleness of trained tokens")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
