@@ -36,9 +36,27 @@ def _train_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def runs_root(run_dir: str, cwd: Path | None = None) -> Path:
+    """Where run folders go: `run.run_dir` made absolute. A relative one inside the temporary working
+    directory `ray job submit` unpacks (and deletes after the job) goes under ~/gyre-ray instead."""
+    path = Path(run_dir).expanduser()
+    if path.is_absolute():
+        return path
+    cwd = cwd or Path.cwd()
+    if "runtime_resources" in cwd.parts:  # /tmp/ray/session_*/runtime_resources/working_dir_files/...
+        stable = Path.home() / "gyre-ray" / path
+        print(
+            f"gyre-ray: run.run_dir={run_dir!r} is relative to a job working directory that Ray deletes; "
+            f"using {stable} (set an absolute run.run_dir to choose)",
+            flush=True,
+        )
+        return stable
+    return (cwd / path).resolve()
+
+
 def new_run_dir(cfg: GyreConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.run.run_dir).resolve() / f"{cfg.run.name}-{stamp}-{os.getpid()}"
+    run_dir = runs_root(cfg.run.run_dir) / f"{cfg.run.name}-{stamp}-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=False)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     return run_dir
