@@ -13,7 +13,9 @@ class TrainerSection(Section):
     """Trainer settings shared by all backends."""
 
     backend: Literal["torch", "megatron"] = Field("torch", description="Trainer backend.")
-    lr: float = Field(1e-5, ge=0, description="AdamW learning rate (0: the loop runs, the weights stay; a control run).")
+    lr: float = Field(
+        1e-5, ge=0, description="AdamW learning rate (0: the loop runs, the weights stay; a control run)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
