@@ -2,7 +2,8 @@
 2 .. 8 cells (8 steps of the full presets, seed 0; the benchmark's sweep runs 12, see docs/scheduling.md).
 
 Cases that miss it are listed in MISSES and marked xfail(strict): if a change brings one within 5%,
-the test fails until it is taken off the list, so the list stays the truth.
+the test fails until it is taken off the list, so the list stays the truth. Slow: 42 simulations of
+8 x 1,024 executions (about 3 minutes on 2 idle cores).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from gyre_ray.sim.runner import best_elastic
 from gyre_ray.sim.workload import sample_workload
 
 STEPS, SEED, TARGET = 8, 0, 1.05
-MISSES: set[tuple[str, int, int]] = set()
+# Every eta = 1 case misses (1.04x to 1.23x the bound): the bound there is its work part, which
+# assumes rollout cells always full, and no online policy keeps them full while the staleness bound
+# forbids the next launches (docs/scheduling.md, "Pipelined steps").
+MISSES: set[tuple[str, int, int]] = {(name, 1, cells) for name in PRESETS for cells in range(2, 9)}
 _WORKLOADS: dict = {}
 
 

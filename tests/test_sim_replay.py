@@ -84,6 +84,29 @@ def test_replay_of_a_colocate_run_predicts_its_makespan_from_trace_and_costs(tmp
     assert report["measured_makespan_s"] == pytest.approx(expected * 1.1)
 
 
+def test_a_trace_without_kept_trajectories_trains_each_execution_at_its_measured_cost(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0)
+    lines = [json.loads(x) for x in (run / "trace.jsonl").read_text().splitlines()]
+    (run / "trace.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in x.items() if k != "trajectories"}) + "\n" for x in lines)
+    )
+    c = COSTS
+    expected = (
+        sum(
+            max(d for d, _ in step)
+            + c["switch_to_train_s"]
+            + len(step) * c["train_cell_s_per_execution"] / c["cells"]
+            + c["grad_sync_s"]
+            + c["optimizer_step_s"]
+            for step in STEPS
+        )
+        + (len(STEPS) - 1) * c["switch_to_rollout_s"]
+    )
+    assert predict_run(run)["policies"]["colocate"]["predicted_makespan_s"] == pytest.approx(
+        expected, abs=1e-3
+    )
+
+
 def test_replay_cli_prints_predicted_and_measured_and_takes_overrides(tmp_path: Path, capsys) -> None:
     run = write_run(tmp_path / "run", makespan_s=200.0, policy="async", async_train_cells=1, staleness=1)
     assert main(["simulate", "--trace", str(run)]) == 0

@@ -72,7 +72,9 @@ def test_nl2repo_fit_reproduces_the_colocate_step_time_on_four_cells() -> None:
 
 
 def test_terminal_fit_leaves_room_for_the_reference_speedup() -> None:
-    wl = sample_workload(PRESETS["terminal"], steps=24, seed=0)
+    # 48 steps, as in the benchmark (at 24 steps the bound with its longest-execution term allows
+    # 1.808x, 0.07% under the reference's 1.809x: docs/scheduling.md)
+    wl = sample_workload(PRESETS["terminal"], steps=48, seed=0)
     colocate = run_policy(wl, "colocate", 8, 0)
     ratio = colocate.makespan_s / lower_bound(wl, 8, 0, 10.0).total_s
     assert 1.809 < ratio < 2.0  # the reference's 1.809x over colocate is possible, 2x never is

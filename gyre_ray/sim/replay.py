@@ -119,12 +119,16 @@ def run_workload(run_dir: Path, cells: int, costs: RunCosts) -> SampledWorkload:
 
     Training work per kept trajectory is the measured cell-seconds on the run's own cells, turned
     into cluster-seconds (the simulator's unit), so a replay on another cell count keeps the device
-    budget. Executions without a recorded `trajectories` count one.
+    budget. A trace without `trajectories` counts each execution once at `train_cell_s_per_execution`.
     """
     trace = run_dir / TRACE_FILE
     if not trace.is_file():
         raise WorkloadError(f"{trace} not found (a run folder needs {TRACE_FILE} and {COSTS_FILE})")
-    per_trajectory = costs.train_cell_s_per_trajectory / costs.cells
+    from gyre_ray.sim.traces import read_trace
+
+    counted = read_trace(trace)[0]["trajectories"] is not None  # on every record or none
+    per_unit = costs.train_cell_s_per_trajectory if counted else costs.train_cell_s_per_execution
+    per_trajectory = per_unit / costs.cells
     spec = spec_from_dict(
         {
             "extends": "nl2repo",
