@@ -38,6 +38,7 @@ def _configs(cells: int) -> list[tuple[str, dict[str, Any]]]:
     runs += [
         ("elastic-eta0", {"policy": "elastic", "staleness": 0}),
         ("elastic-eta1", {"policy": "elastic", "staleness": 1}),
+        ("elastic-eta1-spare", {"policy": "elastic", "staleness": 1, "elastic_prefetch": "spare"}),
     ]
     return runs
 
@@ -86,7 +87,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=4)
     parser.add_argument("--cpus-per-cell", type=float, default=0.5)
-    parser.add_argument("--capacity", type=int, default=1, help="executions one rollout cell carries")
+    parser.add_argument("--capacity", type=int, default=2, help="executions one rollout cell carries")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tasks-per-step", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
@@ -164,6 +165,12 @@ def main() -> int:
     if "elastic-eta1" in by and asyncs:
         best = min(asyncs, key=asyncs.get)
         ratios[f"best async ({best}) / elastic-eta1"] = round(asyncs[best] / by["elastic-eta1"], 3)
+    if "elastic-eta1-spare" in by and asyncs:
+        best = min(asyncs, key=asyncs.get)
+        ratios["colocate / elastic-eta1-spare"] = round(by["colocate"] / by["elastic-eta1-spare"], 3)
+        ratios[f"best async ({best}) / elastic-eta1-spare"] = round(
+            asyncs[best] / by["elastic-eta1-spare"], 3
+        )
     if "elastic-eta0" in by and "colocate" in by:
         ratios["colocate / elastic-eta0"] = round(by["colocate"] / by["elastic-eta0"], 3)
     print(

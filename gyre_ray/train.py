@@ -176,7 +176,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"gyre-ray train: {len(summary['steps'])} step(s) done"]
     lines += [f"  step {i}: {format_step(m)}" for i, m in enumerate(summary["steps"])]
     run_dir = summary["run_dir"]
-    lines.append(f"  run folder: {run_dir} (records/, metrics.jsonl, summary.json, workspaces/)")
+    lines.append(
+        f"  run folder: {run_dir} (records/, metrics.jsonl, summary.json, trace.jsonl, costs.json, workspaces/)"
+    )
     lines.append(f"  checkpoint: {summary['checkpoint']} (HF folder + optimizer state)")
     costs = summary.get("costs")
     if costs:

@@ -3,6 +3,8 @@
 An execution's calls stay on the cell that served its first call (its prefix cache is there) for as
 long as that cell is routable; a drained cell is skipped, and the execution is re-pinned to the
 least-loaded routable cell. Load is the number of calls this proxy replica has in flight per cell.
+Drain state follows the cells' own flags (`observed`, fed by the replica's poll); what this replica
+did or saw itself since a poll began wins over that poll's reading.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class Router:
     def __init__(self, cell_ids: list[str], max_affinities: int = 100_000) -> None:
         self.cell_ids: list[str] = list(cell_ids)
         self.drained: set[str] = set()
+        self.changes: dict[str, int] = {}  # local drain / undrain / refusal count per cell
         self.load: dict[str, int] = {cell: 0 for cell in cell_ids}
         self.affinity: OrderedDict[str, str] = OrderedDict()
         self.max_affinities = max_affinities
@@ -57,10 +60,24 @@ class Router:
     def drain(self, cell_id: str) -> None:
         self._check(cell_id)
         self.drained.add(cell_id)
+        self.changes[cell_id] = self.changes.get(cell_id, 0) + 1
 
     def undrain(self, cell_id: str) -> None:
         self._check(cell_id)
         self.drained.discard(cell_id)
+        self.changes[cell_id] = self.changes.get(cell_id, 0) + 1
+
+    def observed(self, cell_id: str, draining: bool, changes_before: int) -> None:
+        """The cell's own flag, read by a poll that began when `changes[cell_id]` was `changes_before`.
+
+        A drain, undrain or refusal seen here after the poll began is newer: the poll's reading is dropped.
+        """
+        if self.changes.get(cell_id, 0) != changes_before:
+            return
+        if draining:
+            self.drained.add(cell_id)
+        else:
+            self.drained.discard(cell_id)
 
     def forget(self, execution_id: str) -> None:
         """Drop an execution's affinity (it finished)."""

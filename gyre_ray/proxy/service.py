@@ -130,7 +130,9 @@ class ProxyService:
         """
         self._check_cell(cell_id)
         self.router.drain(cell_id)
-        return await self.cells[cell_id].drain()
+        moved = await self.cells[cell_id].drain()
+        self.router.drain(cell_id)  # again: a poll that read the flag before the cell drained is dropped
+        return moved
 
     async def undrain(self, cell_id: str) -> None:
         self._check_cell(cell_id)
@@ -143,12 +145,11 @@ class ProxyService:
         A cell that does not answer keeps the state this replica had for it.
         """
         ids = list(self.cells)
+        before = {c: self.router.changes.get(c, 0) for c in ids}
         flags = await asyncio.gather(*(self.cells[c].is_draining() for c in ids), return_exceptions=True)
         for cell_id, flag in zip(ids, flags, strict=True):
-            if flag is True:
-                self.router.drain(cell_id)
-            elif flag is False:
-                self.router.undrain(cell_id)
+            if isinstance(flag, bool):
+                self.router.observed(cell_id, flag, before[cell_id])
         return set(self.router.drained)
 
     def watch_drain_state(self) -> None:

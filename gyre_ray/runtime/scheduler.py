@@ -71,6 +71,7 @@ class RunScheduler:
         self.store = ray.get_actor("store", namespace=namespace)
         self.workers = workers if workers is not None else ray.get_actor(WORKERS_NAME, namespace=namespace)
         self.base_url = proxy["base_url"]
+        self.proxy = dict(proxy)
         self.run_dir = Path(run_dir or ".")
         self.execute = execute or run_planned_execution
         self.timeout_s = timeout_s
@@ -351,7 +352,7 @@ class RunScheduler:
         group = self.planned[run.exec_id].group
         if all(e in self.outcomes for e in self.groups[group]):
             outcomes = [self.outcomes[e].to_dict() for e in self.groups[group]]
-            job = self.workers.process_group.remote(self.store, group, outcomes, self.cfg_json)
+            job = self.workers.process_group.remote(self.store, group, outcomes, self.cfg_json, self.proxy)
             self.jobs[job] = GroupJob(group, self.group_batch[group], now)
 
     def _group_done(self, result: GroupResult, job: GroupJob) -> None:

@@ -28,7 +28,12 @@ class RunWorkers:
         return execute(*args)
 
     def process_group(
-        self, store: Any, group: str, outcomes: list[dict[str, Any]], cfg_json: dict[str, Any]
+        self,
+        store: Any,
+        group: str,
+        outcomes: list[dict[str, Any]],
+        cfg_json: dict[str, Any],
+        proxy: dict[str, str] | None = None,
     ) -> GroupResult:
         """Records of a finished group (read from `store`) -> micro-batches and figures."""
-        return process_group(store, group, outcomes, cfg_json)
+        return process_group(store, group, outcomes, cfg_json, proxy)
