@@ -85,7 +85,10 @@ def test_rayjob_entrypoint_runs_the_job_with_a_valid_config() -> None:
     }
     assert any(cfg.run.run_dir.startswith(m) for m in mounts), (cfg.run.run_dir, mounts)
     workers = spec["rayClusterSpec"]["workerGroupSpecs"]
-    assert sum(g["replicas"] for g in workers) == cfg.proxy.num_cells
+    for group in workers:  # one cell per worker pod: the pod's GPUs are the cell's bundle
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) == cfg.cells.gpus_per_cell
+    assert sum(g["replicas"] for g in workers) == cfg.cells.num_cells
 
 
 def test_rayservice_serves_the_proxy_application() -> None:

@@ -203,11 +203,6 @@ def migrate_executions(ledger: ExecutionLedger, leaving: int, cells: list[CellVi
     return moves
 
 
-def async_train_cells(section: SchedulerSection, num_cells: int) -> int:
-    """Training cells of the `async` split: `async_train_cells`, or half the cells (at least 1) when 0."""
-    return section.async_train_cells or max(1, num_cells // 2)
-
-
 def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
     """The policy object the simulator would build from the same `scheduler` section, for `num_cells` cells."""
     if section.policy == "elastic":
@@ -215,5 +210,5 @@ def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
             "elastic", repay_factor=section.elastic_repay_factor, prefetch=section.elastic_prefetch
         )
     if section.policy == "async":
-        return make_policy("async", train_cells=async_train_cells(section, num_cells))
+        return make_policy("async", train_cells=section.async_split(num_cells))
     return make_policy(section.policy)
