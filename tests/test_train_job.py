@@ -2,7 +2,8 @@
 two dual-role cells behind the proxy, the scheduler actor, the toy harness, the elastic policy, tree
 processing, one GSPO step per RL step on the core, the new weights rolled out by every cell, and the
 run's trace.jsonl / costs.json. Weights and gradients move through Mooncake (TCP on loopback) here, so
-a job runs end to end on it; the other runtime tests use the default object store."""
+a job runs end to end on it; the other runtime tests use the default object store. While it runs, the
+Ray metrics export port is scraped for every gyre metric."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from metrics_scrape import Scraper, free_port
 
 from gyre_ray.config import load_config
 from gyre_ray.model.checkpoint import load_hf
@@ -28,9 +30,13 @@ TRANSFER = (
 )
 
 
+SCRAPED: dict[str, Scraper] = {}
+
+
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
     run_root = tmp_path_factory.mktemp("runs")
+    port = free_port()
     cfg = load_config(
         ROOT / "jobs/configs/toy.yaml",
         [
@@ -40,10 +46,14 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "algo.group_size=3",
             "run.wandb_mode=disabled",
             "scheduler.staleness=0",
+            f"run.metrics_export_port={port}",
             *TRANSFER,
         ],
     )
-    return train(cfg)
+    with Scraper(port) as scraper:
+        result = train(cfg)
+    SCRAPED["job"] = scraper
+    return result
 
 
 def test_every_step_trains_on_scored_executions(summary: dict) -> None:
@@ -94,3 +104,23 @@ def test_run_folder_holds_metrics_summary_and_a_loadable_checkpoint(summary: dic
     assert costs["micro_step_s"] > 0 and costs["train_cell_s_per_execution"] > 0
     text = format_summary(summary)
     assert "2 step(s) done" in text and str(run_dir) in text
+
+
+def test_ray_metrics_export_every_gyre_metric_with_sane_values(summary: dict) -> None:
+    m = SCRAPED["job"]
+    assert m.samples > 0, "the metrics port never answered"
+    assert m.value("ray_gyre_cells", role="rollout") == 2  # both cells roll out at some point
+    assert m.value("ray_gyre_cells", role="train") >= 1
+    assert m.value("ray_gyre_executions", state="running") >= 1
+    assert m.value("ray_gyre_executions", state="pending") >= 0
+    assert "ray_gyre_microbatch_queue_depth" in m.names()
+    trained = sum(m.value("ray_gyre_tokens_trained_total", cell=c) for c in ("cell-0", "cell-1"))
+    generated = sum(m.value("ray_gyre_tokens_generated_total", cell=c) for c in ("cell-0", "cell-1"))
+    assert trained >= sum(s["loss_tokens"] for s in summary["steps"][:1]) > 0
+    assert generated > 0
+    assert m.value("ray_gyre_policy_version") == 2
+    assert m.value("ray_gyre_staleness_max") == 0  # on-policy run
+    assert m.value("ray_gyre_trained_token_staleness_count") >= 1
+    assert m.value("ray_gyre_switch_seconds_count", direction="to_train") >= 1
+    assert m.value("ray_gyre_proxy_requests_total", api="chat/completions") >= 3 * 8
+    assert m.value("ray_gyre_proxy_request_seconds_count", api="chat/completions") >= 3 * 8

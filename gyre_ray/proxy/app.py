@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from gyre_ray.proxy import anthropic_api, openai_api, responses_api
 from gyre_ray.proxy.errors import ApiError, error_body, flavor_for_path
+from gyre_ray.proxy.observe import CallMetrics
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any, str, Any, dict[str, str]], Awaitable[Response]]
@@ -103,6 +104,7 @@ def build_app(service: Any) -> FastAPI:
     """The FastAPI app serving `service` (a ProxyService)."""
     app = FastAPI(title="gyre-ray proxy", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(CallMetrics)  # latency and errors of model calls, for the Ray dashboard
     limit = service.section.max_request_bytes
 
     @app.exception_handler(ApiError)

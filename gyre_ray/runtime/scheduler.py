@@ -31,6 +31,7 @@ from gyre_ray.agents.runner import Endpoint
 from gyre_ray.config import GyreConfig
 from gyre_ray.envs.base import get_task_set
 from gyre_ray.runtime.groups import GroupResult
+from gyre_ray.runtime.live_metrics import LiveMetrics
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
@@ -138,6 +139,7 @@ class RunScheduler:
         self.sat_version = [self.trainer_version] * len(self.views)
         self.weights = self.actors[self.core].publish_weights.remote()  # a transfer ticket
         self.policy = policy_from_section(cfg.scheduler, len(self.views))
+        self.live = LiveMetrics()  # the Ray dashboard's view of the run
         self._initial_roles()
         self.t0 = time.monotonic()
         self.recorder.t0 = self.t0
@@ -148,6 +150,7 @@ class RunScheduler:
             self._decide()
             self._feed_trainers()
             self._maybe_update()
+            self.live.tick(self)
             refs = [*self.running, *self.switches, *self.micro, *self.jobs, *self.imports, *self.syncs]
             if self.update is not None:
                 refs += list(self.update.refs)
@@ -395,6 +398,7 @@ class RunScheduler:
         seconds = now - switch.since
         switch.event["seconds"] = round(seconds, 4)
         self.recorder.switched(switch.direction, seconds, switch.event)
+        self.live.switched(switch.direction, seconds)
         name = "switch_to_train_s" if switch.direction == "to_train" else "switch_to_rollout_s"
         self.costs = dataclasses.replace(self.costs, **{name: self.recorder.mean_switch(switch.direction)})
         if switch.direction == "to_train":
@@ -415,6 +419,7 @@ class RunScheduler:
         view = self.views[step.cell]
         self.streams[step.batch].trained(step.item, view.cell_id)
         self.recorder.micro_step(step, metrics, now - step.since)
+        self.live.micro_step(view.cell_id, metrics)
         self.costs = dataclasses.replace(self.costs, micro_step_s=self.recorder.mean_micro_step())
         self.recorder.phase(step.cell, view, CellPhase.TRAIN_IDLE, now)
         if view.return_requested:
@@ -489,6 +494,7 @@ class RunScheduler:
         self.updates += 1
         metrics = self.recorder.step_done(self, update, now)
         self.step_metrics.append(metrics)
+        self.live.step_done(metrics)
 
     def _cost_report(self) -> dict[str, Any]:
         cfg = self.cfg
