@@ -55,7 +55,7 @@ def test_hostile_executions_end_with_reasons_and_the_job_finishes(exec_tmp: Path
     task_file.write_text(json.dumps(task) + "\n")
     summary = _train(
         exec_tmp / "runs", f"agents.task_set={task_file}", "algo.group_size=4", "agents.harness=command",
-        f"agents.command=[{sys.executable}, {ROOT / 'tests/hostile_harness.py'}]", "agents.timeout_s=20",
+        f"agents.command=[{sys.executable}, {ROOT / 'tests/hostile_harness.py'}]", "agents.timeout_s=12",
         "agents.max_processes=32", "agents.max_disk_mb=64", "agents.max_file_mb=16",
     )  # fmt: skip
     (step,) = summary["steps"]
