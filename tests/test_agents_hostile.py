@@ -145,7 +145,8 @@ def test_a_fork_bomb_stays_within_its_process_limit_and_its_tree_ends(exec_tmp: 
     assert out.valid and out.reward == 0.5  # still scored: its workspace is evaluated
     assert "timed out" in out.reason or "process limit" in out.reason
     assert time.monotonic() - start < 60
-    assert 1 < peak[0] <= 24 + 2  # the rlimit (+ the watchdog's kill helper, one sample of slack)
+    # the rlimit (24), plus the kill helpers the watchdog starts as that uid and processes seen mid-exit
+    assert 1 < peak[0] <= 24 + 8
     assert _pool_pids() == []
 
 

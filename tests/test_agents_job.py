@@ -55,14 +55,14 @@ def test_hostile_executions_end_with_reasons_and_the_job_finishes(exec_tmp: Path
     task_file.write_text(json.dumps(task) + "\n")
     summary = _train(
         exec_tmp / "runs", f"agents.task_set={task_file}", "algo.group_size=4", "agents.harness=command",
-        f"agents.command=[{sys.executable}, {ROOT / 'tests/hostile_harness.py'}]", "agents.timeout_s=20",
+        f"agents.command=[{sys.executable}, {ROOT / 'tests/hostile_harness.py'}]", "agents.timeout_s=90",
         "agents.max_processes=32", "agents.max_disk_mb=64", "agents.max_file_mb=16",
     )  # fmt: skip
     (step,) = summary["steps"]
     reasons = step["execution_reasons"]
     assert step["executions"] == 4 and step["valid"] == 3 and step["dropped"] == 1, reasons
     assert step["drop_reasons"] == {"no model calls": 1} and reasons["s0-rle-1"] == "no model calls"
-    assert "timed out" in reasons["s0-rle-2"] and "disk limit (64 MiB)" in reasons["s0-rle-3"]
+    assert "process limit (32)" in reasons["s0-rle-2"] and "disk limit (64 MiB)" in reasons["s0-rle-3"]
     assert "s0-rle-0" not in reasons  # the clean one
     assert step["reward_mean"] == pytest.approx(0.5 / 3)  # 2/4 hidden tests, then two zeros
     assert "loss" in step  # the step trained on the three scored executions

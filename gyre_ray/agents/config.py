@@ -48,7 +48,10 @@ class AgentSection(Section):
         "job's uid; auto: user where possible, else none.",
     )
     max_processes: int = Field(
-        256, ge=0, description="Processes one execution may run at once (0: no limit)."
+        256,
+        ge=0,
+        description="Processes (and threads: RLIMIT_NPROC counts both) of one execution; reaching it ends "
+        "the execution as a runaway (0: no limit).",
     )
     max_memory_mb: int = Field(
         4096, ge=0, description="Resident memory of one execution's processes, MiB (0: no limit)."

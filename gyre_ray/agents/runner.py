@@ -29,7 +29,7 @@ from gyre_ray.agents.sandbox import (
     prepare_folders,
     reclaim,
 )
-from gyre_ray.agents.supervise import supervise
+from gyre_ray.agents.supervise import Finished, supervise
 from gyre_ray.envs.base import EvalContext, EvalResult, Task, evaluate_with_retries
 
 
@@ -73,7 +73,7 @@ def count_calls(endpoint: Endpoint, execution_id: str) -> int | None:
         return None
 
 
-def _harness_reason(finished) -> str:
+def _harness_reason(finished: Finished) -> str:
     parts = []
     if finished.timed_out:
         parts.append("timed out")
@@ -84,6 +84,18 @@ def _harness_reason(finished) -> str:
     if finished.leftovers:
         parts.append("processes survived the kill")
     return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Options:
+    command: list[str]
+    timeout_s: float
+    env_extra: dict[str, str]
+    limits: Limits
+    eval_budget_s: float
+    passthrough: tuple[str, ...]
+    home_files: dict[str, str]
+    require_calls: bool
 
 
 def run_execution(
@@ -104,28 +116,29 @@ def run_execution(
 ) -> ExecutionOutcome:
     """Run `command` in `workspace` until it exits, `timeout_s` passes or a limit is hit; evaluate.
 
-    `require_calls`: drop the execution when the proxy recorded no model call for it."""
+    `isolation`: see `sandbox.acquire_identity`; `passthrough`: job variables the harness may see;
+    `home_files`: files written under its HOME first; `require_calls`: drop the execution when the
+    proxy recorded no model call for it."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    limits = limits or Limits()
+    options = _Options(
+        list(command), timeout_s, dict(env_extra or {}), limits or Limits(), eval_budget_s,
+        tuple(passthrough), dict(home_files or {}), require_calls,
+    )  # fmt: skip
     identity = acquire_identity(isolation)
     try:
-        return _run(
-            identity, execution_id, task, endpoint, workspace, command, timeout_s, env_extra or {},
-            limits, eval_budget_s, passthrough, home_files or {}, require_calls,
-        )  # fmt: skip
+        return _run(identity, execution_id, task, endpoint, workspace, options)
     finally:
         reclaim(identity)
 
 
 def _run(
-    identity: Identity, execution_id, task, endpoint, workspace, command, timeout_s, env_extra, limits,
-    eval_budget_s, passthrough, home_files, require_calls,
-) -> ExecutionOutcome:  # fmt: skip
+    identity: Identity, execution_id: str, task: Task, endpoint: Endpoint, workspace: Path, opts: _Options
+) -> ExecutionOutcome:
     home, tmp = workspace.parent / f"{workspace.name}.home", workspace.parent / f"{workspace.name}.tmp"
     scratch = workspace.parent / f"{workspace.name}.eval"
     task.seed_workspace(workspace)
-    for rel, text in home_files.items():
+    for rel, text in opts.home_files.items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
         (home / rel).write_text(text)
     prepare_folders(identity, workspace, home, tmp)
@@ -143,21 +156,21 @@ def _run(
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "GYRE_TASK_PROMPT": task.prompt,
         "GYRE_WORKSPACE": str(workspace),
-        **env_extra,
+        **opts.env_extra,
     }
-    env = harness_env(identity, home, tmp, values, passthrough)
+    env = harness_env(identity, home, tmp, values, opts.passthrough)
     watch = [workspace, home, tmp]
     finished = supervise(
-        command, identity=identity, cwd=workspace, env=env, log_path=log_path,
-        timeout_s=timeout_s, limits=limits, watch=watch,
+        opts.command, identity=identity, cwd=workspace, env=env, log_path=log_path,
+        timeout_s=opts.timeout_s, limits=opts.limits, watch=watch,
     )  # fmt: skip
-    calls = count_calls(endpoint, execution_id) if require_calls else None
+    calls = count_calls(endpoint, execution_id) if opts.require_calls else None
     reason = _harness_reason(finished)
 
     def run_command(cmd: list[str], cwd: Path, timeout: float, extra: dict[str, str]):
         return supervise(
             cmd, identity=identity, cwd=cwd, env=harness_env(identity, home, tmp, extra),
-            log_path=scratch / "evaluator.log", timeout_s=timeout, limits=limits, watch=watch + [scratch],
+            log_path=scratch / "evaluator.log", timeout_s=timeout, limits=opts.limits, watch=watch + [scratch],
         )  # fmt: skip
 
     start_eval = time.monotonic()
@@ -165,7 +178,7 @@ def _run(
         result = EvalResult(0.0, valid=False, detail="no model calls: nothing to train on")
     else:
         prepare_folders(identity, scratch)
-        result = evaluate_with_retries(task, EvalContext(workspace, scratch, run_command), eval_budget_s)
+        result = evaluate_with_retries(task, EvalContext(workspace, scratch, run_command), opts.eval_budget_s)
     tail = log_path.read_bytes()[-2000:].decode(errors="replace") if log_path.exists() else ""
     reasons = [r for r in (reason, "" if result.valid else result.detail) if r]
     if calls == 0:

@@ -281,10 +281,16 @@ def disk_mb(folders: list[Path]) -> float:
 def kill_all(identity: Identity, session: int | None, wait_s: float = 10.0) -> bool:
     """SIGKILL every process of the execution; True when none is left."""
     deadline = time.monotonic() + wait_s
+    empty_scans = 0
     while True:
         pids = processes_of(identity, session)
         if not pids:
-            return True
+            empty_scans += 1
+            if empty_scans == 2:  # a child forked while /proc was being read is seen by the next scan
+                return True
+            time.sleep(0.05)
+            continue
+        empty_scans = 0
         if time.monotonic() > deadline:
             return False
         if identity.dedicated:  # as the uid itself: reaches children that left the session too

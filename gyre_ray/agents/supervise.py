@@ -41,7 +41,7 @@ class Finished:
 
 def _over_limit(identity: Identity, session: int, limits: Limits) -> str:
     pids = processes_of(identity, session)
-    if limits.max_processes and len(pids) > limits.max_processes:
+    if limits.max_processes and len(pids) >= limits.max_processes:  # at the rlimit: a runaway
         return f"process limit ({limits.max_processes})"
     if limits.max_memory_mb and resident_mb(pids) > limits.max_memory_mb:
         return f"memory limit ({limits.max_memory_mb} MiB)"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import xml.etree.ElementTree as ET
@@ -109,8 +110,12 @@ class CommandEvaluator:
         for stale in ("hidden", "report.xml", "evaluator.log"):
             target = scratch / stale
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-        if self.hidden is not None:
+        if self.hidden is not None:  # the source may be closed to the sandbox (make_private): open the copy
             shutil.copytree(self.hidden, scratch / "hidden")
+            for dirpath, _dirs, filenames in os.walk(scratch / "hidden"):
+                os.chmod(dirpath, 0o755)
+                for name in filenames:
+                    os.chmod(os.path.join(dirpath, name), 0o644)
         finished = ctx.run(self._command(workspace, scratch), workspace, self.timeout_s, {})
         if finished.timed_out or finished.limit:
             why = "timed out" if finished.timed_out else f"passed its {finished.limit}"
