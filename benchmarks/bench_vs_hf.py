@@ -209,7 +209,8 @@ def engine_figures(rounds: list[dict], args: ModelArgs, roof: dict, opts) -> dic
         row["gyre_vs_hf"] = round(row["gyre_tokens_per_s"] / row["hf_tokens_per_s"], 3)
         row["gyre_vs_hf_cpu"] = round(row["gyre_tokens_per_cpu_s"] / row["hf_tokens_per_cpu_s"], 3)
         figures[f"decode_{c}"] = row
-    prefill_flops = 16 * opts.prompt * token_flops(args, opts.prompt / 2)
+    lm_head = 2 * args.hidden_size * args.vocab_size  # a prefill computes logits of its last token only
+    prefill_flops = 16 * (opts.prompt * (token_flops(args, opts.prompt / 2) - lm_head) + lm_head)
     figures["ttft_16"] = {
         "gyre_mean_ms": round(1000 * med["ttft16_gyre"], 1),
         "gyre_max_ms": round(1000 * med["ttft16_gyre_max"], 1),
