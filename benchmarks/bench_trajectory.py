@@ -12,7 +12,8 @@ forward + backward of the tree GSPO loss over all its micro-batches, in five lay
 - `all_expanded`: every path of every execution on its own row, plain causal attention (the
   model's fused causal kernel);
 - `all_expanded_masked`: the same rows run with an explicit causal mask, the attention path the
-  packed layouts take (so the comparison does not hinge on which kernel is faster);
+  packed layouts take (the block plan of `gyre_ray.model.attention`), so the comparison does not
+  hinge on which kernel is faster;
 - `all_packed`: every path, each tree laid out once (tree attention mask);
 - `budget_expanded`: the `--budget` selected paths, one row each;
 - `budget_packed`: the selected paths as a packed tree (what gyre-ray trains on).
@@ -41,7 +42,7 @@ import torch
 from gyre_ray.algo.gspo import tree_gspo_loss
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
-from gyre_ray.trainers.batch import MicroBatch, token_logprobs
+from gyre_ray.trainers.batch import MicroBatch, model_logprobs
 from gyre_ray.trajectory.batching import micro_batches
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.trajectory.packing import split_roots
@@ -86,9 +87,8 @@ def step_time(model: Qwen3ForCausalLM, batches: list[MicroBatch], causal: bool) 
     model.zero_grad(set_to_none=True)
     wall, cpu = time.perf_counter(), time.process_time()
     for b in batches:
-        mask = None if causal else b.attention_mask
-        logprobs = token_logprobs(model(b.input_ids, b.position_ids, mask), b.input_ids, b.parent_index)
-        loss, _ = tree_gspo_loss(logprobs, b)
+        run = dataclasses.replace(b, attention_mask=None) if causal else b
+        loss, _ = tree_gspo_loss(model_logprobs(model, run), b)  # the trainer's path
         loss.backward()
     return time.perf_counter() - wall, time.process_time() - cpu
 

@@ -96,19 +96,23 @@ class _ChunkedTargetLogprob(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for index, start in enumerate(range(0, hidden.size(0), ctx.chunk)):
             stop = min(hidden.size(0), start + ctx.chunk)
-            h = hidden[start:stop]
+            g = grad_out[start:stop]
+            live = g.nonzero().squeeze(-1)  # tokens outside the loss have zero gradient: skip them
+            if live.numel() == 0:
+                continue
+            rows = slice(None) if live.numel() == stop - start else live  # all live: no gather
+            h, tg, g = hidden[start:stop][rows], targets[start:stop][rows], g[rows, None]
             if ctx.probs:
-                probs = ctx.probs[index]
+                probs = ctx.probs[index][rows]
             else:  # recompute: softmax = exp(logits - lse), lse = logits[target] - logprob
                 logits = (h @ weight.t()).to(grad_out.dtype)
-                lse = logits.gather(-1, targets[start:stop, None]) - ctx.lse[start:stop, None]
+                lse = logits.gather(-1, tg[:, None]) - ctx.lse[start:stop][rows, None]
                 probs = logits.sub_(lse).exp_()
-            g = grad_out[start:stop, None]
             grad_logits = probs.mul_(-g)  # d logprob / d logits = onehot(target) - softmax
-            grad_logits.scatter_add_(-1, targets[start:stop, None], g)
+            grad_logits.scatter_add_(-1, tg[:, None], g)
             grad_logits = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
-                grad_hidden[start:stop] = grad_logits @ weight
+                grad_hidden[start:stop][rows] = grad_logits @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t(), h)
         ctx.probs = None
