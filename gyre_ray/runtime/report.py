@@ -14,26 +14,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-COST_KEYS = (
-    "cells",
-    "group_size",
-    "executions_per_step",
-    "steps",
-    "policy",
-    "staleness",
-    "async_train_cells",
-    "capacity_per_cell",
-    "switch_to_train_s",
-    "switch_to_rollout_s",
-    "weight_sync_s",
-    "migration_pause_s",
-    "optimizer_step_s",
-    "grad_sync_s",
-    "micro_step_s",
-    "train_cell_s_per_trajectory",
-    "train_cell_s_per_execution",
-    "makespan_s",
-)
+from gyre_ray.sim.replay import COST_NUMBERS, INT_KEYS
+
+# costs.json's keys, in order: the simulator's replay (`gyre_ray.sim.replay`) reads exactly these.
+COST_KEYS = (*INT_KEYS[:4], "policy", INT_KEYS[4], "async_train_cells", *COST_NUMBERS)
 
 
 def staleness_summary(trained_version: int, token_versions: Iterable[Mapping[int, int]]) -> dict[str, Any]:

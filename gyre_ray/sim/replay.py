@@ -19,8 +19,8 @@ from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.workload import SampledWorkload, WorkloadError, sample_workload, spec_from_dict
 
 TRACE_FILE, COSTS_FILE = "trace.jsonl", "costs.json"
-_INT_KEYS = ("cells", "group_size", "executions_per_step", "steps", "staleness")
-_COST_KEYS = (
+INT_KEYS = ("cells", "group_size", "executions_per_step", "steps", "staleness")
+COST_NUMBERS = (  # measured costs in costs.json (the runtime writes them: runtime/report.py)
     "capacity_per_cell",
     "switch_to_train_s",
     "switch_to_rollout_s",
@@ -66,11 +66,11 @@ def read_costs(path: Path) -> RunCosts:
         raise WorkloadError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
     if not isinstance(data, dict):
         raise WorkloadError(f"{path}: must hold one JSON object")
-    missing = [k for k in (*_INT_KEYS, *_COST_KEYS, "policy") if k not in data]
+    missing = [k for k in (*INT_KEYS, *COST_NUMBERS, "policy") if k not in data]
     if missing:
         raise WorkloadError(f"{path}: missing key(s) {', '.join(missing)}")
-    ints = {k: _number(data[k], k, path, integer=True) for k in _INT_KEYS}
-    costs = {k: _number(data[k], k, path) for k in _COST_KEYS}
+    ints = {k: _number(data[k], k, path, integer=True) for k in INT_KEYS}
+    costs = {k: _number(data[k], k, path) for k in COST_NUMBERS}
     for key in ("cells", "group_size", "executions_per_step", "steps"):
         if ints[key] < 1:
             raise WorkloadError(f"{path}: {key!r} must be >= 1, got {ints[key]}")
@@ -86,7 +86,7 @@ def read_costs(path: Path) -> RunCosts:
     split = data.get("async_train_cells")
     split = None if split is None else _number(split, "async_train_cells", path, integer=True)
     sim = SimCosts(
-        **{k: costs[k] for k in _COST_KEYS if k in SimCosts.__dataclass_fields__},
+        **{k: costs[k] for k in COST_NUMBERS if k in SimCosts.__dataclass_fields__},
     )
     return RunCosts(
         cells=ints["cells"],
