@@ -112,9 +112,10 @@ def test_run_folder_holds_metrics_summary_and_a_loadable_checkpoint(summary: dic
 def test_ray_metrics_export_every_gyre_metric_with_sane_values(summary: dict) -> None:
     m = SCRAPED["job"]
     assert m.samples > 0, "the metrics port never answered"
-    assert m.value("ray_gyre_cells", role="rollout") == 2  # both cells roll out at some point
-    assert m.value("ray_gyre_cells", role="train") >= 1
-    # gauges are exported every few seconds: a short run's brief peaks may fall between two exports
+    # Gauges are sampled at each export (every few seconds), so a short run's brief states may fall
+    # between two exports: they are checked for presence and range; counters and histograms are exact.
+    assert 1 <= m.value("ray_gyre_cells", role="rollout") <= 2
+    assert 0 <= m.value("ray_gyre_cells", role="train") <= 2
     assert {"ray_gyre_executions"} <= m.names()
     assert 0 <= m.value("ray_gyre_executions", state="running") <= 6
     assert 0 <= m.value("ray_gyre_executions", state="pending") <= 6

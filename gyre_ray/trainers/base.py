@@ -10,6 +10,7 @@ were spread over calls or cells.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,22 @@ from gyre_ray.trainers.batch import MicroBatch
 
 # loss_fn(token_logprobs (B, T), batch) -> (scalar loss to backpropagate, metrics)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
+
+
+def apply_step(trainer: Any, grad_norm: float) -> dict[str, float]:
+    """The end of every backend's `optimizer_step`, once the gradients are scaled and clipped: step the
+    optimizer (never on a NaN / inf norm: that step's gradients are dropped instead), bump step and
+    version, zero the gradients; returns the step's metrics."""
+    metrics = {"grad_norm": grad_norm, "lr": trainer.optimizer.param_groups[0]["lr"], "skipped": 0.0}
+    if math.isfinite(grad_norm):
+        trainer.optimizer.step()
+        trainer.step += 1
+        trainer.version += 1
+    else:
+        metrics["skipped"] = 1.0
+    trainer.zero_grads()
+    metrics.update(step=float(trainer.step), version=float(trainer.version))
+    return metrics
 
 
 class Trainer(abc.ABC):

@@ -21,7 +21,7 @@ import torch
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import load_state_into, read_hf_weights, save_hf
-from gyre_ray.trainers.base import LossFn, Trainer
+from gyre_ray.trainers.base import LossFn, Trainer, apply_step
 from gyre_ray.trainers.batch import MicroBatch, model_logprobs
 from gyre_ray.trainers.config import TrainerSection
 
@@ -121,16 +121,7 @@ class TorchTrainer(Trainer):
                 p.grad.mul_(scale)
         max_norm = self.section.grad_clip if self.section.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-        metrics = {"grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], "skipped": 0.0}
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.step += 1
-            self.version += 1
-        else:  # never apply NaN / inf: drop this step's gradients instead
-            metrics["skipped"] = 1.0
-        self.zero_grads()
-        metrics.update(step=float(self.step), version=float(self.version))
-        return metrics
+        return apply_step(self, grad_norm)
 
     # ------------------------------------------------------------------ weights and checkpoints
     def state_dict(self) -> dict[str, torch.Tensor]:

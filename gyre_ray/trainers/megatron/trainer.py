@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
-from gyre_ray.trainers.base import LossFn, Trainer
+from gyre_ray.trainers.base import LossFn, Trainer, apply_step
 from gyre_ray.trainers.batch import MicroBatch, token_logprobs
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
@@ -252,16 +252,7 @@ class MegatronTrainer(Trainer):
             if math.isfinite(grad_norm) and coef < 1.0:
                 for g in grads:
                     g.mul_(coef)
-        metrics = {"grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"], "skipped": 0.0}
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-            self.step += 1
-            self.version += 1
-        else:  # never apply NaN / inf: drop this step's gradients instead
-            metrics["skipped"] = 1.0
-        self.zero_grads()
-        metrics.update(step=float(self.step), version=float(self.version))
-        return metrics
+        return apply_step(self, grad_norm)
 
     # ------------------------------------------------------------------ weights and checkpoints
     @torch.no_grad()
