@@ -23,6 +23,16 @@ from gyre_ray.trainers.batch import MicroBatch
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 
 
+@torch.no_grad()
+def add_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """Sum `grad` into `param.grad` (sum semantics across micro-batches and replicas)."""
+    grad = grad.to(device=param.device, dtype=param.dtype)
+    if param.grad is None:
+        param.grad = grad.clone()
+    else:
+        param.grad.add_(grad)
+
+
 def apply_step(trainer: Any, grad_norm: float) -> dict[str, float]:
     """The end of every backend's `optimizer_step`, once the gradients are scaled and clipped: step the
     optimizer (never on a NaN / inf norm: that step's gradients are dropped instead), bump step and

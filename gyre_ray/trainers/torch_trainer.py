@@ -21,7 +21,7 @@ import torch
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import load_state_into, read_hf_weights, save_hf
-from gyre_ray.trainers.base import LossFn, Trainer, apply_step
+from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
 from gyre_ray.trainers.batch import MicroBatch, model_logprobs
 from gyre_ray.trainers.config import TrainerSection
 
@@ -102,11 +102,7 @@ class TorchTrainer(Trainer):
                 raise TrainerInputError(
                     f"import_grads: {name} has shape {tuple(grad.shape)}, parameter is {tuple(param.shape)}"
                 )
-            grad = grad.to(device=param.device, dtype=param.dtype)
-            if param.grad is None:
-                param.grad = grad.clone()
-            else:
-                param.grad.add_(grad)
+            add_grad(param, grad)
 
     def zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
-from gyre_ray.trainers.base import LossFn, Trainer, apply_step
+from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
 from gyre_ray.trainers.batch import MicroBatch, token_logprobs
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
@@ -213,11 +213,7 @@ class MegatronTrainer(Trainer):
     def import_grads(self, grads: dict[str, torch.Tensor]) -> None:
         for name, grad in self._from_hf(grads, "import_grads").items():
             param = self.params[name]
-            grad = grad.to(device=param.device, dtype=param.dtype)
-            if param.grad is None:
-                param.grad = grad.clone()
-            else:
-                param.grad.add_(grad)
+            add_grad(param, grad)
 
     def zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
