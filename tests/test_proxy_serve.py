@@ -51,13 +51,13 @@ def served(tmp_path_factory):
     ray.shutdown()
 
 
-def test_cells_are_placement_groups_hosting_one_engine_each(served):
+def test_cells_are_bundles_of_a_placement_group_hosting_one_engine_each(served):
     from ray.util import placement_group_table
 
     groups = [
         g for g in placement_group_table().values() if g["name"].endswith("-pg") and g["state"] == "CREATED"
     ]
-    assert len(groups) >= 2
+    assert any(len(g["bundles"]) == 2 for g in groups), groups  # one bundle per cell
     cells = served.cells()
     assert [c["cell_id"] for c in cells] == ["cell-0", "cell-1"]
     assert all(c["role"] == "rollout" and c["routable"] and c["engine"]["weights_loaded"] for c in cells)

@@ -70,12 +70,13 @@ class RolloutCell:
         engine_factory: EngineFactory,
         torch_threads: int | None = None,
         stream_interval_s: float = 0.0,
+        draining: bool = False,
     ) -> None:
         self.cell_id = cell_id
         self.engine_factory = engine_factory
         self.torch_threads = torch_threads
         self.engine: RolloutEngine | None = None
-        self.draining = False
+        self.draining = draining  # a restarted cell starts drained until it holds the current weights
         self._inflight: dict[str, _InFlight] = {}
         self._migrated_out = 0
         self._resumed_in = 0
@@ -165,6 +166,10 @@ class RolloutCell:
     def is_draining(self) -> bool:
         """The cell's own drain flag: the one truth every proxy replica routes by."""
         return self.draining
+
+    async def watch(self) -> None:
+        """Never returns: a caller keeps one call pending to learn at once when this actor dies."""
+        await asyncio.Event().wait()
 
     def close(self) -> None:
         """Stop the engine's background work, if it has any (the torch engine's loop thread)."""

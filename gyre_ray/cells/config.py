@@ -1,8 +1,9 @@
-"""Config section `cells`: how many cells the run has and what each one reserves (one placement group each)."""
+"""Config section `cells`: how many cells the run has, what each one reserves and how they spread over nodes."""
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from pydantic import Field
 
@@ -10,12 +11,17 @@ from gyre_ray.configbase import Section
 
 
 class CellsSection(Section):
-    """The run's cells: each is one placement group with one bundle {"CPU": cpus, "GPU": gpus}."""
+    """The run's cells: one placement group, one bundle {"CPU": cpus, "GPU": gpus} per cell."""
 
     num_cells: int = Field(2, ge=1, description="Cells the runtime starts (cell-0 is the core).")
     cpus_per_cell: float = Field(1.0, gt=0, description="CPUs in each cell's placement-group bundle.")
     gpus_per_cell: float = Field(
         0.0, ge=0, description="GPUs in each cell's placement-group bundle (0 on a CPU machine)."
+    )
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="Ray placement strategy of the cells' placement group: PACK fills few nodes, "
+        "SPREAD puts cells on different nodes where it can, STRICT_SPREAD one cell per node.",
     )
     capacity: int = Field(
         0,

@@ -91,8 +91,9 @@ class DualRoleCell(RolloutCell):
         torch_threads: int | None = None,
         is_core: bool = False,
         stream_interval_s: float = 0.0,
+        draining: bool = False,
     ) -> None:
-        super().__init__(cell_id, engine_factory, torch_threads, stream_interval_s)
+        super().__init__(cell_id, engine_factory, torch_threads, stream_interval_s, draining)
         self.trainer_factory = trainer_factory
         self.trainer: Trainer | None = None
         self.is_core = is_core  # the runtime says which cell is the core
@@ -219,6 +220,14 @@ class DualRoleCell(RolloutCell):
         if weights is not None:
             await self._engine().update_weights(await self._fetch(weights), version)
         await self.undrain()
+        return {"version": self._engine().stats().get("version")}
+
+    async def rejoin(self, weights: Ticket | dict[str, Any] | None, version: int) -> dict[str, Any]:
+        """A restarted cell (started drained): build engine and trainer, load the published `weights`
+        at `version` into the engine. It stays drained: the caller undrains it (`load_and_undrain`)."""
+        await self.setup()
+        if weights is not None:
+            await self._engine().update_weights(await self._fetch(weights), version)
         return {"version": self._engine().stats().get("version")}
 
     async def load_trainer_weights(self, weights: Ticket | dict[str, Any], version: int) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""Start rollout cells on Ray: one placement group per cell, one `RolloutCell` actor inside it.
+"""Start rollout cells on Ray: one placement group with one bundle per cell, one cell actor in each bundle.
 
 `plan_cells` is the pure part (names and bundles, testable without Ray); `CellPool.start` reserves
-the placement groups, starts the actors (named, so a Serve replica can look them up), waits for
-their engines and returns the pool; `shutdown` kills the actors and frees the groups.
+the placement group (its strategy, e.g. SPREAD, says how the cells spread over nodes), starts the
+actors (named, so a Serve replica can look them up), waits for their engines and returns the pool;
+`restart` replaces a dead cell's actor in its bundle; `shutdown` kills the actors and frees the group.
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ def plan_cells(
 
 @dataclass
 class CellPool:
-    """Running cells: id -> actor handle, plus their placement groups."""
+    """Running cells: id -> actor handle, plus the one placement group they live in (bundle i = cell i).
+
+    `recipe` is what a cell's actor is built from (factories and options), so `restart` can start a
+    new actor for a cell that died, in the same bundle, under the same name.
+    """
 
     specs: list[CellSpec]
     actors: dict[str, Any] = field(default_factory=dict)
     groups: dict[str, Any] = field(default_factory=dict)
     namespace: str | None = None
+    recipe: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cell_ids(self) -> list[str]:
@@ -73,57 +79,94 @@ class CellPool:
         trainer_factory: TrainerFactory | None = None,
         gpus_per_cell: float = 0.0,
         core_index: int = 0,
+        strategy: str = "PACK",
     ) -> CellPool:
-        """Reserve the groups, start one cell actor in each and wait until every engine is built.
+        """Reserve the placement group, start one cell actor per bundle and wait until every engine is built.
 
-        `detached`: groups and actors outlive the calling process (Serve app builders).
+        `detached`: group and actors outlive the calling process (Serve app builders).
         `stream_interval_s`: see `RolloutCell`.
         `trainer_factory`: start `DualRoleCell`s (rollout or training; cell `core_index` is the core).
+        `strategy`: the group's placement strategy over nodes (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD).
         """
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pool = cls(plan_cells(num_cells, cpus_per_cell, prefix, gpus_per_cell), namespace=namespace)
-        actor_cls = ray.remote(RolloutCell if trainer_factory is None else DualRoleCell)
+        pool.recipe = {
+            "engine_factory": engine_factory,
+            "trainer_factory": trainer_factory,
+            "stream_interval_s": stream_interval_s,
+            "core_index": core_index,
+            "detached": detached,
+        }
         try:
+            group = placement_group(
+                [spec.bundles[0] for spec in pool.specs],
+                strategy=strategy,
+                name=f"{namespace or 'gyre'}-{prefix}-pg",
+                lifetime="detached" if detached else None,
+            )
             for spec in pool.specs:
-                group = placement_group(
-                    spec.bundles,
-                    strategy="PACK",
-                    name=f"{namespace or 'gyre'}-{spec.actor_name}-pg",
-                    lifetime="detached" if detached else None,
-                )
                 pool.groups[spec.cell_id] = group
-            ray.get([g.ready() for g in pool.groups.values()], timeout=timeout_s)
+            ray.get(group.ready(), timeout=timeout_s)
             for index, spec in enumerate(pool.specs):
-                args = (spec.cell_id, engine_factory, spec.torch_threads, stream_interval_s)
-                if trainer_factory is not None:
-                    args = (
-                        spec.cell_id,
-                        engine_factory,
-                        trainer_factory,
-                        spec.torch_threads,
-                        index == core_index,
-                        stream_interval_s,
-                    )
-                strategy = PlacementGroupSchedulingStrategy(
-                    placement_group=pool.groups[spec.cell_id], placement_group_bundle_index=0
-                )
-                pool.actors[spec.cell_id] = actor_cls.options(
-                    name=spec.actor_name,
-                    namespace=namespace,
-                    num_cpus=spec.bundles[0]["CPU"],
-                    num_gpus=spec.bundles[0].get("GPU", 0.0),
-                    scheduling_strategy=strategy,
-                    max_concurrency=1000,
-                    lifetime="detached" if detached else None,
-                ).remote(*args)
+                pool.actors[spec.cell_id] = pool._new_actor(index)
             ray.get([a.setup.remote() for a in pool.actors.values()], timeout=timeout_s)
         except BaseException:
             pool.shutdown()
             raise
         return pool
+
+    def _new_actor(self, index: int, draining: bool = False) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        spec, recipe = self.specs[index], self.recipe
+        trainer_factory = recipe["trainer_factory"]
+        actor_cls = ray.remote(RolloutCell if trainer_factory is None else DualRoleCell)
+        engine_factory, interval = recipe["engine_factory"], recipe["stream_interval_s"]
+        args: tuple[Any, ...] = (spec.cell_id, engine_factory, spec.torch_threads, interval, draining)
+        if trainer_factory is not None:
+            is_core = index == recipe["core_index"]
+            args = (
+                spec.cell_id,
+                engine_factory,
+                trainer_factory,
+                spec.torch_threads,
+                is_core,
+                interval,
+                draining,
+            )
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self.groups[spec.cell_id], placement_group_bundle_index=index
+        )
+        return actor_cls.options(
+            name=spec.actor_name,
+            namespace=self.namespace,
+            num_cpus=spec.bundles[0]["CPU"],
+            num_gpus=spec.bundles[0].get("GPU", 0.0),
+            scheduling_strategy=strategy,
+            max_concurrency=1000,
+            lifetime="detached" if recipe["detached"] else None,
+        ).remote(*args)
+
+    def restart(self, cell_id: str) -> Any:
+        """A new actor for a cell whose actor died: same name, same bundle, started *drained*.
+
+        The old actor is killed first (it may only be unreachable). Its engine and trainer are not
+        built yet: the caller runs `rejoin` (a dual-role cell) or `setup`, then undrains it. The
+        actor starts once its bundle is placed again (Ray re-places the bundles of a lost node
+        where resources allow; until then the call waits).
+        """
+        import ray
+
+        index = self.cell_ids.index(cell_id)
+        old = self.actors.get(cell_id)
+        if old is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(old, no_restart=True)
+        self.actors[cell_id] = actor = self._new_actor(index, draining=True)
+        return actor
 
     def status(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:
         import ray
@@ -131,13 +174,19 @@ class CellPool:
         return ray.get([a.status.remote() for a in self.actors.values()], timeout=timeout_s)
 
     def shutdown(self) -> None:
-        """Kill the cell actors and remove their placement groups."""
+        """Kill the cell actors (also ones restarted elsewhere, found by name) and remove the group."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in self.actors.values():
-            ray.kill(actor, no_restart=True)
-        for group in self.groups.values():
+        for spec in self.specs:
+            actors = [self.actors.get(spec.cell_id)]
+            with contextlib.suppress(Exception):  # a restarted actor this handle does not know
+                actors.append(ray.get_actor(spec.actor_name, namespace=self.namespace))
+            for actor in actors:
+                if actor is not None:
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor, no_restart=True)
+        for group in {id(g): g for g in self.groups.values()}.values():
             with contextlib.suppress(Exception):  # already gone with the cluster
                 remove_placement_group(group)
         self.actors.clear()

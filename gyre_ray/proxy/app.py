@@ -10,6 +10,7 @@ Admin API (the admin token, same headers):
   GET /gyre/cells;  POST /gyre/cells/{id}/drain | /undrain;  GET /gyre/stats.
 Unauthenticated: HEAD|GET / and GET /gyre/health.
 Every error is a 4xx/5xx JSON body in the shape of the API the path belongs to; no traceback leaves.
+A 429 or 503 (no slot, no routable cell, a cell that died) is retryable and carries `Retry-After`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from gyre_ray.proxy import anthropic_api, openai_api, responses_api
+from gyre_ray.proxy.clients import CellUnavailable
 from gyre_ray.proxy.errors import ApiError, error_body, flavor_for_path
 from gyre_ray.proxy.observe import CallMetrics
 
@@ -33,9 +35,17 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any, str, Any, dict[str, str]], Awaitable[Response]]
 
 
-def _error_response(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+RETRYABLE = (429, 503)
+
+
+def _error_response(
+    request: Request, status: int, message: str, param: str | None = None, retry_after_s: int = 1
+) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if status in RETRYABLE else None
     return JSONResponse(
-        error_body(flavor_for_path(request.url.path), status, message, param), status_code=status
+        error_body(flavor_for_path(request.url.path), status, message, param),
+        status_code=status,
+        headers=headers,
     )
 
 
@@ -107,9 +117,15 @@ def build_app(service: Any) -> FastAPI:
     app.add_middleware(CallMetrics)  # latency and errors of model calls, for the Ray dashboard
     limit = service.section.max_request_bytes
 
+    retry_after_s = service.section.retry_after_s
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(request, exc.status, exc.message, exc.param)
+        return _error_response(request, exc.status, exc.message, exc.param, retry_after_s)
+
+    @app.exception_handler(CellUnavailable)
+    async def _cell_unavailable(request: Request, exc: CellUnavailable) -> JSONResponse:
+        return _error_response(request, 503, f"{exc}; retry shortly", None, retry_after_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

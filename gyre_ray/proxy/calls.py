@@ -3,14 +3,18 @@
 `CallRun.tokens()` yields batches of new output ids. When the serving cell is drained it ends the
 stream with the request's exported KV state; the run then asks the router for another cell and
 resumes there (`resume(state)`), so the caller sees one uninterrupted stream. A cell that refuses
-new work (draining) is skipped before anything was generated. Everything the policy produced
-(ids, log-probs, versions) is kept for the call record.
+new work (draining) is skipped before anything was generated. A cell that dies (its actor is gone:
+`CellUnavailable`) is marked drained in this replica's router and the call goes on elsewhere from
+its recorded tokens: prompt + the output generated so far is prefilled again on the next cell (its KV
+is rebuilt there) and the remaining token budget continues, so the caller still sees one stream.
+Everything the policy produced (ids, log-probs, versions) is kept for the call record.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from gyre_ray.cells.cell import Failed, Migrated, Refused, TokenBatch
 from gyre_ray.engines.base import GenerateRequest, KVState, SamplingParams
+from gyre_ray.proxy.clients import CellUnavailable
 from gyre_ray.proxy.errors import ApiError
 
 if TYPE_CHECKING:
@@ -74,6 +79,7 @@ class CallRun:
         self.finish_reason: str | None = None
         self.cells: list[str] = []
         self.migrations = 0
+        self.reprefills = 0  # continuations on another cell after the serving cell died
         self.engine_seconds = 0.0  # time the call spent inside cells (as they measured it)
         self.t_start = time.time()
         self.t_end: float | None = None
@@ -98,7 +104,11 @@ class CallRun:
                 self.service.router.started(cell_id)
                 try:
                     if state is None:
-                        request = GenerateRequest(self.rid, self.call.input_ids, self.sampling)
+                        request = self._request()
+                        if request is None:  # the budget was spent just before the cell died
+                            done = True
+                            self.finish_reason = "length"
+                            return
                         stream = client.generate(request, self.stream)
                     else:
                         stream = client.resume(state, self.stream)
@@ -132,6 +142,12 @@ class CallRun:
                         elif isinstance(event, Failed):
                             done = True
                             outcome = self._failed(event, cell_id, exclude)
+                except CellUnavailable:  # the cell died: continue elsewhere from the recorded tokens
+                    done = True
+                    state = None
+                    self.service.cell_failed(cell_id)
+                    self.reprefills += 1
+                    outcome = "cell_lost"
                 finally:
                     self.service.router.finished(cell_id)
                     self.current_cell = None
@@ -170,6 +186,18 @@ class CallRun:
         return self._abort
 
     # ---- internals --------------------------------------------------------------------------
+    def _request(self) -> GenerateRequest | None:
+        """The call as a new engine request: its prompt, plus (after a lost cell) the output so far,
+        with what is left of the token budget; None when nothing is left."""
+        generated = len(self.output_ids)
+        if not generated:
+            return GenerateRequest(self.rid, self.call.input_ids, self.sampling)
+        left = self.sampling.max_new_tokens - generated
+        if left < 1:
+            return None
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=left)
+        return GenerateRequest(self.rid, [*self.call.input_ids, *self.output_ids], sampling)
+
     async def _next_event(self, stream: AsyncIterator[Any]) -> Any:
         """The stream's next event (None at its end); past `request_timeout_s` the call is aborted.
 

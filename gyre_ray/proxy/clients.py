@@ -5,6 +5,10 @@
 actors (the Serve deployment). The proxy's logic is written once against these. `stream=False` fetches a
 call's events in one reply when nobody needs its tokens early (a non-streaming call without stop
 strings): one remote call instead of one Ray object per token batch.
+
+A cell actor that died raises `CellUnavailable` from every `RayCellClient` method; the client then
+looks the actor up again by name on its next call, so a cell the runtime restarted (same name, new
+actor) is reached without rebuilding the proxy.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from typing import Any
 
 from gyre_ray.cells.cell import CellEvent, RolloutCell
 from gyre_ray.engines.base import GenerateRequest, KVState
+
+
+class CellUnavailable(Exception):
+    """The cell's actor is dead or unreachable (it may be restarting): try another cell."""
 
 
 async def _replay(events: Awaitable[list[CellEvent]]) -> AsyncIterator[CellEvent]:
@@ -51,40 +59,79 @@ class LocalCellClient:
 
 
 class RayCellClient:
-    """A cell running as a Ray actor; streams arrive as Ray streaming generators (one object per batch)."""
+    """A cell running as a Ray actor; streams arrive as Ray streaming generators (one object per batch).
 
-    def __init__(self, cell_id: str, actor: Any) -> None:
+    With `name` (and `namespace`) a dead actor is looked up again by name on the next call.
+    """
+
+    def __init__(
+        self, cell_id: str, actor: Any, name: str | None = None, namespace: str | None = None
+    ) -> None:
         self.cell_id = cell_id
         self.actor = actor
+        self.name = name
+        self.namespace = namespace
 
-    async def _iterate(self, generator: Any) -> AsyncIterator[CellEvent]:
-        async for ref in generator:
-            yield await ref
+    def _handle(self) -> Any:
+        if self.actor is None:
+            import ray
+
+            try:
+                self.actor = ray.get_actor(self.name, namespace=self.namespace)
+            except ValueError:  # not (yet) restarted
+                raise CellUnavailable(f"cell {self.cell_id} is not running") from None
+        return self.actor
+
+    def _lost(self, exc: BaseException) -> CellUnavailable:
+        if self.name is not None:
+            self.actor = None
+        return CellUnavailable(f"cell {self.cell_id} is unavailable: {type(exc).__name__}")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await getattr(self._handle(), method).remote(*args)
+        except RayActorError as exc:
+            raise self._lost(exc) from None
+
+    async def _iterate(self, method: str, arg: Any) -> AsyncIterator[CellEvent]:
+        from ray.exceptions import RayActorError
+
+        try:
+            async for ref in getattr(self._handle(), method).remote(arg):
+                yield await ref
+        except RayActorError as exc:
+            raise self._lost(exc) from None
+
+    async def _replay_remote(self, method: str, arg: Any) -> AsyncIterator[CellEvent]:
+        for event in await self._call(method, arg):
+            yield event
 
     def generate(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[CellEvent]:
         if not stream:
-            return _replay(self.actor.generate_all.remote(request))
-        return self._iterate(self.actor.generate.remote(request))
+            return self._replay_remote("generate_all", request)
+        return self._iterate("generate", request)
 
     def resume(self, state: KVState, stream: bool = True) -> AsyncIterator[CellEvent]:
         if not stream:
-            return _replay(self.actor.resume_all.remote(state))
-        return self._iterate(self.actor.resume.remote(state))
+            return self._replay_remote("resume_all", state)
+        return self._iterate("resume", state)
 
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
-        return await self.actor.abort.remote(rid, wait_s)
+        return await self._call("abort", rid, wait_s)
 
     async def drain(self) -> int:
-        return await self.actor.drain.remote()
+        return await self._call("drain")
 
     async def undrain(self) -> None:
-        await self.actor.undrain.remote()
+        await self._call("undrain")
 
     async def is_draining(self) -> bool:
-        return await self.actor.is_draining.remote()
+        return await self._call("is_draining")
 
     async def status(self) -> dict[str, Any]:
-        return await self.actor.status.remote()
+        return await self._call("status")
 
 
 class LocalStoreClient:

@@ -20,6 +20,11 @@ class ProxySection(Section):
         gt=0,
         description="How long a call waits for a free per-execution slot or a routable cell before a 429/503.",
     )
+    retry_after_s: int = Field(
+        1,
+        ge=0,
+        description="Retry-After (seconds) sent with every 429 and 503: both are retryable (no cell or slot free yet).",
+    )
     num_replicas: int = Field(
         1, ge=1, description="Proxy (Serve) replicas; each reads the cells' own drain state (drain_poll_s)."
     )

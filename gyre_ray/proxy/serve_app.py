@@ -56,7 +56,7 @@ class ProxyDeployment:
         section = ProxySection.model_validate(settings["proxy"])
         codec = ChatCodec.for_model(ModelSection.model_validate(settings["model"]))
         cells = {
-            cell_id: RayCellClient(cell_id, ray.get_actor(name, namespace=namespace))
+            cell_id: RayCellClient(cell_id, ray.get_actor(name, namespace=namespace), name, namespace)
             for cell_id, name in settings["cells"].items()
         }
         store = RayStoreClient(ray.get_actor(settings["store"], namespace=namespace))

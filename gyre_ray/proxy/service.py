@@ -17,6 +17,7 @@ from collections import OrderedDict
 from typing import Any
 
 from gyre_ray.proxy.calls import CallRun, PreparedCall
+from gyre_ray.proxy.clients import CellUnavailable
 from gyre_ray.proxy.codec import ChatCodec
 from gyre_ray.proxy.config import ProxySection
 from gyre_ray.proxy.errors import ApiError
@@ -78,6 +79,7 @@ class ProxyService:
             "spliced_messages": 0,
             "client_aborts": 0,
             "record_batches": 0,
+            "cell_failures": 0,
         }
 
     # ---- auth ---------------------------------------------------------------------------------
@@ -166,8 +168,23 @@ class ProxyService:
                 await self.refresh_drain_state()
             await asyncio.sleep(self.section.drain_poll_s)
 
+    def cell_failed(self, cell_id: str) -> None:
+        """A cell's actor is gone: route around it until its own flag says it serves again (a restart
+        starts drained and is undrained once it holds the current weights)."""
+        self.counters["cell_failures"] += 1
+        self.router.drain(cell_id)
+
     async def cell_status(self) -> list[dict[str, Any]]:
-        statuses = await asyncio.gather(*(client.status() for client in self.cells.values()))
+        answers = await asyncio.gather(
+            *(client.status() for client in self.cells.values()), return_exceptions=True
+        )
+        statuses = []
+        for cell_id, answer in zip(self.cells, answers, strict=True):
+            if isinstance(answer, CellUnavailable):
+                answer = {"cell_id": cell_id, "available": False}
+            elif isinstance(answer, BaseException):
+                raise answer
+            statuses.append(answer)
         for status in statuses:
             status["routable"] = status["cell_id"] not in self.router.drained
             status["proxy_load"] = self.router.load.get(status["cell_id"], 0)
@@ -341,6 +358,7 @@ class ProxyService:
                 "finish_reason": run.finish_reason,
                 "cells": run.cells,
                 "migrations": run.migrations,
+                **({"reprefills": run.reprefills} if run.reprefills else {}),
                 "engine_s": round(run.engine_seconds, 6),
                 "spliced_messages": call.spliced_messages,
                 **call.meta,

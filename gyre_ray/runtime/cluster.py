@@ -7,8 +7,9 @@
 
 In the run's Ray namespace (`runtime.namespace`) the cells are the named actors `cell-0`, `cell-1`, ...,
 the trajectory store is `store`, the scheduler is `scheduler` and the warm worker of executions and
-group processing is `workers`, so the Ray dashboard and tools find them. Each cell is one placement
-group with one bundle {"CPU": c, "GPU": g} from the `cells` section.
+group processing is `workers`, so the Ray dashboard and tools find them. The cells share one
+placement group with one bundle {"CPU": c, "GPU": g} per cell from the `cells` section
+(`cells.strategy` spreads or packs them over nodes). The scheduler actor gets the pool: it restarts a cell that died.
 The core is the cell this runtime names (`core_id`; cell-0 today), whatever the cells are called.
 A cell's drain flag lives in the cell; every proxy replica routes by it (`ProxyService.watch_drain_state`).
 """
@@ -115,6 +116,7 @@ def start_backends(
             stream_interval_s=config.proxy.stream_interval_s,
             trainer_factory=trainer_factory,
             gpus_per_cell=cells.gpus_per_cell,
+            strategy=cells.strategy,
         )
     except BaseException:
         import ray
@@ -211,7 +213,7 @@ class Runtime:
             self.core_id,
             self.namespace,
             {"base_url": self.proxy.base_url, "admin_token": self.proxy.admin_token},
-            **{"workers": self.workers, **options},
+            **{"workers": self.workers, "pool": self.pool, **options},
         )
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@
 
 Micro-batches arrive (as Ray object refs, or anything) as soon as a group of executions has ended
 and been processed; whichever training cell is free claims the next one; a claim is either trained
-or handed back (the cell left). When the queue is sealed (no more groups to come) and every
+or handed back (the cell left); a trained one whose gradients died with their cell is trained again. When the queue is sealed (no more groups to come) and every
 micro-batch is trained, the step is complete: the gradients of every cell that trained are summed
 on the core and scaled once by `scale` = 1 / (distinct executions in the step's micro-batches),
 exactly as `gyre_ray.algo.gspo.step_scale` does for the single-trainer loop.
@@ -72,6 +72,15 @@ class MicroBatchStream:
         if item.trained_by is not None:
             raise RuntimeError(f"micro-batch {index} is already trained by {item.trained_by!r}")
         item.claimed_by = None
+        self._unclaimed.appendleft(index)
+
+    def untrain(self, index: int) -> None:
+        """A trained micro-batch whose gradients were lost (its cell died before they reached the
+        core): it goes first in line to be trained again."""
+        item = self.items[index]
+        if item.trained_by is None:
+            raise RuntimeError(f"micro-batch {index} is not trained; nothing to undo")
+        item.trained_by = item.claimed_by = None
         self._unclaimed.appendleft(index)
 
     @property

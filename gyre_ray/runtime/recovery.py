@@ -1,0 +1,220 @@
+"""What the scheduler does when a cell (not the core) dies: nothing trained is lost, the cell comes back.
+
+`CellRecovery` is a part of `RunScheduler` (a mixin over its state). Each cell has one `watch()` call
+pending at all times; it never returns, so it fails the moment the cell's actor dies (`ray.kill`, a
+crash, a lost node), as does any other call in flight to that cell. Then `_cell_lost`:
+
+- micro-steps in flight there go back first in line on the step's queue (`give_back`), and so do
+  micro-batches the satellite had trained whose gradients never reached the core: not yet exported,
+  or exported but the core's `import_grads` failed (the gradients lived in the dead process). A
+  pending import is waited for first: one that lands counts, so nothing is trained twice. If the
+  update had begun gathering gradients, it is called off (the step is no longer complete) and runs
+  again once those micro-batches are trained elsewhere;
+- the executions booked on the cell are re-booked on the other rollout cells (their harnesses keep
+  running; the proxy already retries their calls on other cells from the recorded tokens);
+- calls to the cell that were part of a switch, a weight load or the publish stage are dropped;
+- the cell is restarted (`CellPool.restart`: a new actor under the same name in the same placement
+  group bundle, started drained), rebuilds engine and trainer and loads the current weights
+  (`rejoin`), then catches up to a version published meanwhile and is undrained; until then the
+  policy sees it switching to rollout (not ready: no launches, no switches).
+
+Without a pool, or after `MAX_RESTARTS` failed restarts, the run goes on with fewer cells. The core
+cannot be replaced this way: its death ends the run with an error (restart from a checkpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
+from gyre_ray.runtime.work import Switch
+from gyre_ray.scheduling.runtime import CellPhase, migrate_executions
+
+MAX_RESTARTS = 3  # restarts of one cell in a run before the run goes on without it
+IMPORT_WAIT_S = 300.0  # how long a lost satellite's pending gradient import may still take
+REJOIN_SETTLE_S = 120.0  # how long the end of a run waits for cells still restarting
+
+
+def is_cell_loss(exc: BaseException) -> bool:
+    """True when `exc` says a cell's process is gone (its actor died or an object it owned is lost)."""
+    if isinstance(exc, (RayActorError, ObjectLostError)):
+        return True
+    return isinstance(exc, RayTaskError) and isinstance(exc.cause, (RayActorError, ObjectLostError))
+
+
+class CellRecovery:
+    """Watches the cells and recovers from the loss of one (see the module docstring)."""
+
+    def _init_recovery(self, pool: Any) -> None:
+        self.pool = pool
+        self.watches: dict[Any, tuple[int, str]] = {}  # watch ref -> (cell, actor id)
+        self.restarts: dict[Any, Switch] = {}  # rejoin / catch-up of a restarted cell
+        self.restart_count: dict[int, int] = {}
+        self.faults: list[dict[str, Any]] = []
+
+    def _reset_recovery(self, cells: int) -> None:
+        """Per-run bookkeeping of where trained-but-unmerged gradients are."""
+        self.unmerged: list[list[tuple[int, int]]] = [[] for _ in range(cells)]  # (batch, item)
+        self.import_of: dict[Any, tuple[int, list[tuple[int, int]]]] = {}  # import ref -> (cell, items)
+        self.ref_cell: dict[Any, int] = {}  # update / publish calls to one cell
+        self._watch_cells()
+
+    def _watch_cells(self) -> None:
+        watched = {index for index, _ in self.watches.values()}
+        for index, actor in enumerate(self.actors):
+            if index not in watched and not self._restarting(index):
+                self.watches[actor.watch.remote()] = (index, actor._actor_id.hex())
+
+    def _restarting(self, index: int) -> bool:
+        return any(s.cell == index for s in self.restarts.values())
+
+    def _export(self, index: int) -> Any:
+        """The core's import of satellite `index`'s gradient sum; remembers which micro-batches it carries."""
+        ref = self.actors[self.core].import_grads.remote(self.actors[index].export_grads.remote())
+        self.import_of[ref] = (index, self.unmerged[index])
+        self.unmerged[index] = []
+        return ref
+
+    def _merged(self, ref: Any) -> None:
+        self.import_of.pop(ref, None)
+
+    def _cell_of(self, ref: Any) -> int | None:
+        """The cell a pending ref is a call to (for an import: the satellite that exported)."""
+        if ref in self.micro:
+            return self.micro[ref].cell
+        if ref in self.switches:
+            return self.switches[ref].cell
+        if ref in self.restarts:
+            return self.restarts[ref].cell
+        if ref in self.syncs:
+            return self.syncs[ref]
+        if ref in self.import_of:
+            return self.import_of[ref][0]
+        if ref in self.watches:
+            return self.watches[ref][0]
+        return self.ref_cell.get(ref)
+
+    def _check_loss(self, ref: Any) -> bool:
+        """If `ref` (ready) failed because its cell died, recover from that loss; True when it did."""
+        index = self._cell_of(ref)
+        if index is None:
+            return False
+        try:
+            ray.get(ref, timeout=0)
+        except Exception as exc:
+            if not is_cell_loss(exc):
+                raise
+            self._cell_lost(index, f"{type(exc).__name__}")
+            return True
+        return False
+
+    def _cell_lost(self, index: int, why: str) -> None:
+        if index == self.core:
+            raise RuntimeError(
+                f"the core cell {self.ids[index]} died ({why}); restart the run from its last checkpoint"
+            )
+        now = self._now()
+        view = self.views[index]
+        for ref in [r for r, (i, _) in self.watches.items() if i == index]:
+            del self.watches[ref]
+        retry = None
+        for ref in [r for r, s in self.restarts.items() if s.cell == index]:
+            retry = self.restarts.pop(ref)  # it died again while rejoining
+        requeued = self._requeue_lost_work(index)
+        for ref in [r for r, s in self.switches.items() if s.cell == index]:
+            del self.switches[ref]
+        for ref in [r for r, i in self.syncs.items() if i == index]:
+            del self.syncs[ref]
+        rehosted = migrate_executions(self.ledger, index, self.views) if retry is None else {}
+        self.has_grads[index] = False
+        view.return_requested = False
+        self.recorder.phase(index, view, CellPhase.TO_ROLLOUT, now)
+        self.recorder.loads(self, now)
+        event = {"cell": view.cell_id, "at_s": round(now, 3), "lost": why, "micro_batches_requeued": requeued,
+                 "executions_rehosted": len(rehosted), "batch": self.updates}  # fmt: skip
+        self.faults.append(event)
+        self._restart(index, event)
+
+    def _requeue_lost_work(self, index: int) -> int:
+        """Micro-batches whose gradients died with cell `index` go back on their queue; returns how many."""
+        lost = [(step.batch, step.item, ref) for ref, step in self.micro.items() if step.cell == index]
+        for batch, item, ref in lost:
+            del self.micro[ref]
+            self.streams[batch].give_back(item)
+        items = list(self.unmerged[index])
+        self.unmerged[index] = []
+        for ref, (cell, carried) in list(self.import_of.items()):
+            if cell != index:
+                continue
+            try:
+                ray.get(ref, timeout=IMPORT_WAIT_S)
+                continue  # it reached the core: counted once, handled as a normal completion
+            except Exception as exc:
+                if not is_cell_loss(exc):
+                    raise
+            items += carried
+            del self.import_of[ref]
+            self.imports.discard(ref)
+            if self.update is not None:
+                self.update.refs.discard(ref)
+        for batch, item in items:
+            self.streams[batch].untrain(item)
+        update = self.update
+        if update is not None:
+            for ref in [r for r, i in self.ref_cell.items() if i == index]:
+                update.refs.discard(ref)
+                del self.ref_cell[ref]
+            if items and update.stage == "grads":  # the step is incomplete again: gather later
+                self.imports |= update.refs
+                self.update = None
+            elif not update.refs:
+                self._next_stage()
+        return len(lost) + len(items)
+
+    def _restart(self, index: int, event: dict[str, Any]) -> None:
+        count = self.restart_count.get(index, 0)
+        if self.pool is None or count >= MAX_RESTARTS:
+            event["restarted"] = False  # the run goes on with fewer cells
+            return
+        self.restart_count[index] = count + 1
+        actor = self.pool.restart(self.ids[index])
+        self.actors[index] = actor
+        self.watches[actor.watch.remote()] = (index, actor._actor_id.hex())
+        ref = actor.rejoin.remote(self.weights, self.trainer_version)
+        self.restarts[ref] = Switch(index, "restart", self._now(), self.trainer_version, event=event)
+        event["restarted"] = True
+
+    def _rejoin_done(self, ref: Any) -> None:
+        switch = self.restarts.pop(ref)
+        result = ray.get(ref)
+        index = switch.cell
+        actor = self.actors[index]
+        if switch.stage == 1:  # engine and trainer built at the version of the restart's start
+            stale = (result.get("version") or 0) < self.trainer_version
+            switch.stage = 2
+            follow = actor.load_and_undrain.remote(self.weights if stale else None, self.trainer_version)
+            self.restarts[follow] = switch
+            return
+        self.engine_version[index] = result.get("version", self.trainer_version)
+        now = self._now()
+        switch.event.update(rejoined_at_s=round(now, 3), rejoin_s=round(now - switch.since, 3),
+                            version=self.engine_version[index])  # fmt: skip
+        self.recorder.phase(index, self.views[index], CellPhase.ROLLOUT, now)
+        self.recorder.loads(self, now)
+        if self.engine_version[index] < self.trainer_version:  # published during the catch-up
+            self.syncs[actor.update_weights.remote(self.weights, self.trainer_version)] = index
+            self.engine_version[index] = self.trainer_version
+
+    def _settle_restarts(self) -> None:
+        """Wait (bounded) for cells still rejoining, so a run ends with every cell it can have back."""
+        deadline = time.monotonic() + REJOIN_SETTLE_S
+        while self.restarts and time.monotonic() < deadline:
+            ready, _ = ray.wait(
+                list(self.restarts), num_returns=1, timeout=max(0.01, deadline - time.monotonic())
+            )
+            for ref in ready:
+                if not self._check_loss(ref):
+                    self._rejoin_done(ref)

@@ -1,0 +1,87 @@
+"""Test-only agent workload for fault tests: a fixed number of model calls per execution, counted.
+
+`CountingExecutor` has `run_planned_execution`'s signature. Each execution makes `calls` chat calls
+through the proxy (each re-sending the conversation so far), sleeping `tool_s` between them, and
+retries a 429/503 after its Retry-After as a harness would; it never gives up on a retryable error
+before `deadline_s`. Its outcome carries how many calls got a 200 (`calls`), so a test compares that
+with the records the store kept. Rewards differ within a group (the execution's index in it), so the
+update has gradients to compare.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CountingExecutor:
+    """`calls` model calls of `max_tokens` each, `tool_s` apart (picklable; Ray ships it by value)."""
+
+    calls: int = 4
+    max_tokens: int = 24
+    tool_s: float = 0.3
+    deadline_s: float = 300.0
+
+    def __call__(
+        self,
+        execution_id: str,
+        task_set: str,
+        task_id: str,
+        endpoint: Any,
+        workspace: str,
+        section: dict[str, Any],
+    ) -> Any:
+        import httpx
+
+        from gyre_ray.agents.runner import ExecutionOutcome
+
+        Path(workspace).mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        messages = [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": f"task {task_id}"},
+        ]
+        headers = {"Authorization": f"Bearer {endpoint.api_key}"}
+        ok = retried = 0
+        with httpx.Client(base_url=endpoint.base_url, headers=headers, timeout=120.0) as client:
+            for _ in range(self.calls):
+                while True:
+                    reply = client.post(
+                        "/v1/chat/completions",
+                        json={"model": "policy", "messages": messages, "max_tokens": self.max_tokens},
+                    )
+                    if reply.status_code in (429, 503) and time.monotonic() - started < self.deadline_s:
+                        retried += 1
+                        time.sleep(float(reply.headers.get("retry-after", "1")))
+                        continue
+                    reply.raise_for_status()
+                    break
+                ok += 1
+                text = reply.json()["choices"][0]["message"]["content"] or ""
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "tool: ok"}]
+                time.sleep(self.tool_s)
+        index = int(execution_id.rsplit("-", 1)[-1])
+        return ExecutionOutcome(
+            execution_id=execution_id,
+            task_id=task_id,
+            exit_code=0,
+            timed_out=False,
+            duration_s=time.monotonic() - started,
+            reward=float(index % 2),
+            valid=True,
+            detail=f"calls={ok} retried={retried}",
+            log_tail="",
+            calls=ok,
+        )
+
+
+def ship_by_value() -> None:
+    """Let Ray workers unpickle this module's classes (tests/ is not importable there)."""
+    import sys
+
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
