@@ -128,7 +128,7 @@ async def _stream(gen: Generation, message: dict[str, Any], prompt_tokens: int) 
             yield open_text()
             text_open = True
         yield text_delta(delta)
-    outcome = gen.finish()
+    outcome = await gen.finish()
     tail = gen.tail_text()
     if tail or (not text_open and not outcome.tool_calls):
         if not text_open:

@@ -79,7 +79,7 @@ class CallRun:
         self.finish_reason: str | None = None
         self.cells: list[str] = []
         self.migrations = 0
-        self.reprefills = 0  # continuations on another cell after the serving cell died
+        self.reprefills = 0  # continuations from recorded output on another cell after a cell died
         self.engine_seconds = 0.0  # time the call spent inside cells (as they measured it)
         self.t_start = time.time()
         self.t_end: float | None = None
@@ -146,7 +146,7 @@ class CallRun:
                     done = True
                     state = None
                     self.service.cell_failed(cell_id)
-                    self.reprefills += 1
+                    self.reprefills += bool(self.output_ids)  # else it simply starts elsewhere
                     outcome = "cell_lost"
                 finally:
                     self.service.router.finished(cell_id)

@@ -162,5 +162,6 @@ class RayStoreClient:
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.actor, method).remote(*args)
 
-    def submit(self, method: str, *args: Any) -> None:
-        getattr(self.actor, method).remote(*args)
+    def submit(self, method: str, *args: Any) -> Any:
+        """Send the call now (in order with every other call of this client); returns its ref (awaitable)."""
+        return getattr(self.actor, method).remote(*args)

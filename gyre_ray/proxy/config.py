@@ -67,6 +67,11 @@ class ProxySection(Section):
     default_max_tokens: int = Field(
         1024, ge=1, description="Completion budget when an OpenAI request gives no max_tokens."
     )
+    durable_records: bool = Field(
+        True,
+        description="A call returns (its last byte is sent) only once the store actor holds its record, "
+        "so a replica that dies afterwards loses no record; calls ending together share one store call.",
+    )
     records_dir: str = Field(
         "runs/records", description="Folder where finished (or evicted) executions spill as JSONL."
     )

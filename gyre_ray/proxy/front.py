@@ -98,7 +98,7 @@ async def complete(gen: Generation, slot: Any) -> Outcome:
     """Run a started call to the end (non-streaming)."""
     try:
         await gen.collect()
-        return gen.finish()
+        return await gen.finish()
     except ApiError:
         await asyncio.shield(gen.abandon("failed"))
         raise

@@ -101,8 +101,9 @@ class Generation:
         parts = [delta async for delta in self.text_deltas()]
         return "".join(parts)
 
-    def finish(self) -> Outcome:
-        """Parse tool calls, settle the finish reason and record the call. Call after text_deltas ends."""
+    async def finish(self) -> Outcome:
+        """Parse tool calls, settle the finish reason and record the call (returning once the record is
+        durable, see `ProxyService.record_durably`). Call after text_deltas ends."""
         text = self.text
         content = text.content
         calls: list[ToolCallOut] = []
@@ -138,7 +139,7 @@ class Generation:
             raw_calls = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
             splice = assistant_key(content, raw_calls)
         meta = {"tool_calls": len(calls), "stop_string": text.stop_string}
-        self.service.record(run, splice, meta)
+        await self.service.record_durably(run, splice, meta)
         return self.outcome
 
     def tail_text(self) -> str:
@@ -154,7 +155,7 @@ class Generation:
         await self.run.cancel(wait=True)
         with contextlib.suppress(Exception):
             await self._tokens.aclose()
-        self.service.record(self.run, None, {reason: True})
+        await self.service.record_durably(self.run, None, {reason: True})
 
     def _tool_id(self) -> str:
         return self.tool_id_prefix + uuid.uuid4().hex[:24]

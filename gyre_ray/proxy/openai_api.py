@@ -92,7 +92,7 @@ async def _chat_stream(gen: Generation, meta: dict[str, Any], include_usage: boo
     yield chunk({"role": "assistant", "content": ""})
     async for delta in gen.text_deltas():
         yield chunk({"content": delta})
-    outcome = gen.finish()
+    outcome = await gen.finish()
     tail = gen.tail_text()
     if tail:
         yield chunk({"content": tail})
@@ -159,7 +159,7 @@ async def _completion_stream(gen: Generation, meta: dict[str, Any], echo: str) -
         yield chunk(echo)
     async for delta in gen.text_deltas():
         yield chunk(delta)
-    outcome = gen.finish()
+    outcome = await gen.finish()
     yield chunk("", FINISH[outcome.finish])
     yield "data: [DONE]\n\n"
 

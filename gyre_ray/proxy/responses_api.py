@@ -175,7 +175,7 @@ async def _stream(gen: Generation, shell: _Shell) -> AsyncIterator[str]:
             opened = True
         text += piece
         yield delta(piece)
-    outcome = gen.finish()
+    outcome = await gen.finish()
     tail = gen.tail_text()
     if tail or (not opened and not outcome.tool_calls):
         if not opened:

@@ -72,6 +72,8 @@ class ProxyService:
         self._splices: dict[str, OrderedDict[str, tuple[str, list[int]]]] = {}
         self._pending: list[tuple[CallRecord, str | None]] = []  # records not yet handed to the store
         self._flush: asyncio.Handle | None = None
+        self._commit: asyncio.Future | None = None  # resolves once the store holds the pending batch
+        self._commits: set[asyncio.Task] = set()
         self._drain_watch: asyncio.Task | None = None
         self.counters = {
             "calls": 0,
@@ -184,6 +186,8 @@ class ProxyService:
                 answer = {"cell_id": cell_id, "available": False}
             elif isinstance(answer, BaseException):
                 raise answer
+            else:
+                answer["available"] = True
             statuses.append(answer)
         for status in statuses:
             status["routable"] = status["cell_id"] not in self.router.drained
@@ -333,10 +337,27 @@ class ProxyService:
         self.counters["calls"] += 1
         return CallRun(self, call, sampling, stream)
 
-    def record(self, run: CallRun, splice_key: str | None, meta: dict[str, Any] | None = None) -> None:
-        """Hand the call's record to the store (once); index its output for splicing if `splice_key`."""
+    async def record_durably(
+        self, run: CallRun, splice_key: str | None, meta: dict[str, Any] | None = None
+    ) -> None:
+        """`record`, then (with `proxy.durable_records`) wait until the store actor holds the record.
+
+        Calls finishing together share one store call (group commit): the batch goes out right after
+        the current loop iteration and every call in it returns once the store has applied it.
+        """
+        commit = self.record(run, splice_key, meta)
+        if commit is not None:
+            await asyncio.shield(commit)
+
+    def record(
+        self, run: CallRun, splice_key: str | None, meta: dict[str, Any] | None = None
+    ) -> asyncio.Future | None:
+        """Hand the call's record to the store (once); index its output for splicing if `splice_key`.
+
+        Returns the future of the store's acknowledgement when `proxy.durable_records` asks for one.
+        """
         if run.recorded:
-            return
+            return None
         run.recorded = True
         call = run.call
         self.counters["migrations"] += run.migrations
@@ -368,15 +389,22 @@ class ProxyService:
         if splice_key is not None and run.output_ids:
             self._remember(call.execution_id, splice_key, call.call_id, run.output_ids)
         self._pending.append((record, splice_key))
-        if len(self._pending) >= RECORD_BATCH_MAX or not getattr(self.store, "batched", False):
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a synchronous caller): hand it over now
             self.flush_records()
-        elif self._flush is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no event loop (a synchronous caller): hand it over now
-                self.flush_records()
-            else:  # once the running response has been written: off the call's latency path
-                self._flush = loop.call_soon(self.flush_records)
+            return None
+        batched = getattr(self.store, "batched", False)
+        commit = None
+        if batched and self.section.durable_records:
+            if self._commit is None:
+                self._commit = loop.create_future()
+            commit = self._commit
+        if len(self._pending) >= RECORD_BATCH_MAX or not batched:
+            self.flush_records()
+        elif self._flush is None:  # after this loop iteration: calls ending together share the batch
+            self._flush = loop.call_soon(self.flush_records)
+        return commit
 
     def flush_records(self) -> int:
         """Hand every pending record to the store in one call (not awaited); returns how many.
@@ -390,7 +418,12 @@ class ProxyService:
         if not self._pending:
             return 0
         batch, self._pending = self._pending, []
-        self.store.submit("add_many", batch)
+        commit, self._commit = self._commit, None
+        sent = self.store.submit("add_many", batch)
+        if commit is not None:
+            task = asyncio.ensure_future(_acknowledge(sent, commit))
+            self._commits.add(task)
+            task.add_done_callback(self._commits.discard)
         self.counters["record_batches"] += 1
         return len(batch)
 
@@ -398,6 +431,18 @@ class ProxyService:
         """A store call that must see every call recorded so far (pending records go first)."""
         self.flush_records()
         return await self.store.call(method, *args)
+
+
+async def _acknowledge(sent: Any, commit: asyncio.Future) -> None:
+    """Resolve `commit` once the store call `sent` has returned (its error, if it failed)."""
+    try:
+        await sent
+    except Exception as exc:
+        if not commit.done():
+            commit.set_exception(exc)
+    else:
+        if not commit.done():
+            commit.set_result(None)
 
 
 def new_call_id() -> str:
