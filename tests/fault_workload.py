@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.trajectory.records import read_jsonl
+
 
 @dataclass
 class CountingExecutor:
@@ -76,6 +78,23 @@ class CountingExecutor:
             log_tail="",
             calls=ok,
         )
+
+
+def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int:
+    """Every execution ended valid with all its `calls` 200-answered calls recorded (a harness that
+    got no 200 raises, which would fail the run); returns how many calls were re-prefilled."""
+    trace = result["trace"]
+    assert len(trace) == executions
+    reprefilled = 0
+    for row in trace:
+        exec_id = row["exec_id"]
+        records = read_jsonl(folder / "records" / f"{exec_id}.jsonl")
+        assert not row["dropped"], row
+        assert len(records) == row["calls"] == calls, (exec_id, len(records), row)
+        for record in records:
+            assert len(record.output_ids) == len(record.output_logprobs) == len(record.versions) > 0
+            reprefilled += record.meta.get("reprefills", 0)
+    return reprefilled
 
 
 def ship_by_value() -> None:

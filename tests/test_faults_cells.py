@@ -16,12 +16,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from fault_workload import CountingExecutor, ship_by_value  # noqa: E402
+from fault_workload import CountingExecutor, check_nothing_lost, ship_by_value  # noqa: E402
 
 from gyre_ray.algo.gspo import step_scale  # noqa: E402
 from gyre_ray.config import load_config  # noqa: E402
 from gyre_ray.runtime.cluster import Runtime, trainer_factory_for  # noqa: E402
-from gyre_ray.trajectory.records import read_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -93,23 +92,6 @@ def reference_weights(rt: Runtime, start: dict, version: int, batches: list) -> 
         trainer.forward_backward(batch)
     trainer.optimizer_step(step_scale(batches))
     return trainer.state_dict()
-
-
-def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int:
-    """Every execution ended valid with all its `calls` 200-answered calls recorded (a harness that
-    got no 200 raises, which would fail the run); returns how many calls were re-prefilled."""
-    trace = result["trace"]
-    assert len(trace) == executions
-    reprefilled = 0
-    for row in trace:
-        exec_id = row["exec_id"]
-        records = read_jsonl(folder / "records" / f"{exec_id}.jsonl")
-        assert not row["dropped"], row
-        assert len(records) == row["calls"] == calls, (exec_id, len(records), row)
-        for record in records:
-            assert len(record.output_ids) == len(record.output_logprobs) == len(record.versions) > 0
-            reprefilled += record.meta.get("reprefills", 0)
-    return reprefilled
 
 
 def check_rejoined(rt: Runtime, cell_id: str, old_actor: str, result: dict) -> None:

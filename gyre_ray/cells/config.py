@@ -9,6 +9,8 @@ from pydantic import Field
 
 from gyre_ray.configbase import Section
 
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node 1 of it
+
 
 class CellsSection(Section):
     """The run's cells: one placement group, one bundle {"CPU": cpus, "GPU": gpus} per cell."""
@@ -23,12 +25,21 @@ class CellsSection(Section):
         description="Ray placement strategy of the cells' placement group: PACK fills few nodes, "
         "SPREAD puts cells on different nodes where it can, STRICT_SPREAD one cell per node.",
     )
+    control_on_head: bool = Field(
+        True,
+        description="Run the store, the scheduler, the workers actor and the proxy replicas on the head "
+        "node (Ray's node:__internal_head__ resource); the cells go where their placement group puts them.",
+    )
     capacity: int = Field(
         0,
         ge=0,
         description="Executions one rollout cell carries at once (the scheduler's slots); "
         "0 = ceil(agents.max_parallel / num_cells).",
     )
+
+    def control_resources(self) -> dict[str, float]:
+        """Resources the run's control actors ask for: a sliver of the head node's marker resource."""
+        return {HEAD_RESOURCE: 0.001} if self.control_on_head else {}
 
     def bundle(self) -> dict[str, float]:
         """The one bundle of each cell's placement group."""

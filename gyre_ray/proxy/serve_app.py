@@ -78,7 +78,9 @@ def proxy_application(settings: dict[str, Any]) -> Any:
     env = dict(REPLICA_ENV)
     if settings.get("direct_ingress"):
         env.update(DIRECT_INGRESS_ENV)
-    return ProxyDeployment.options(
-        num_replicas=section.num_replicas,
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}},
-    ).bind(settings)
+    options: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": env}}
+    if settings.get("resources"):  # e.g. the head node's marker: replicas run on the head
+        options["resources"] = dict(settings["resources"])
+    return ProxyDeployment.options(num_replicas=section.num_replicas, ray_actor_options=options).bind(
+        settings
+    )

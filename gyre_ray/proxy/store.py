@@ -200,10 +200,13 @@ def create_store_actor(
     name: str | None = None,
     namespace: str | None = None,
     detached: bool = False,
+    resources: dict[str, float] | None = None,
 ) -> Any:
-    """Start the store as a Ray actor (sequential: calls from one caller are applied in order)."""
+    """Start the store as a Ray actor (sequential: calls from one caller are applied in order).
+
+    `resources`: custom resources it asks for (e.g. the head node's, to run there)."""
     cls = _store_actor_class()
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"resources": dict(resources)} if resources else {}
     if name is not None:
         options.update(name=name, namespace=namespace)
     if detached:

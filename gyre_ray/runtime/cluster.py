@@ -102,7 +102,10 @@ def start_backends(
     if engine_factory is None:
         engine_factory = PolicyEngineFactory(config.model.model_dump(), config.engine.model_dump())
     records_dir = str(Path(config.proxy.records_dir).resolve())
-    store = create_store_actor(records_dir, config.proxy.store_max_records, STORE_NAME, namespace, detached)
+    head = config.cells.control_resources()
+    store = create_store_actor(
+        records_dir, config.proxy.store_max_records, STORE_NAME, namespace, detached, head
+    )
     cells = config.cells
     try:
         pool = CellPool.start(
@@ -131,6 +134,7 @@ def start_backends(
         "store": STORE_NAME,
         "admin_token": admin_token or config.proxy.admin_token or secrets.token_urlsafe(24),
         "records_dir": records_dir,
+        "resources": head,
     }
     return settings, pool, store
 
@@ -204,10 +208,13 @@ class Runtime:
         from gyre_ray.runtime.scheduler import SchedulerActor
         from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
 
-        self.workers = RunWorkers.options(name=WORKERS_NAME, namespace=self.namespace).remote()
+        head = self.config.cells.control_resources()
+        self.workers = RunWorkers.options(
+            name=WORKERS_NAME, namespace=self.namespace, resources=head
+        ).remote()
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
-        return SchedulerActor.options(name=SCHEDULER_NAME, namespace=self.namespace).remote(
+        return SchedulerActor.options(name=SCHEDULER_NAME, namespace=self.namespace, resources=head).remote(
             self.config.model_dump(mode="json"),
             cell_names,
             self.core_id,
