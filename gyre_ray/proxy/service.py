@@ -29,6 +29,7 @@ from gyre_ray.trajectory.records import CallRecord
 
 SPLICE_CACHE_PER_EXECUTION = 1024
 RECORD_BATCH_MAX = 256  # pending records handed to the store in one call at most
+KEY_CACHE = 100_000  # API keys this replica remembers (least recently used dropped first)
 
 
 class _Slot:
@@ -43,6 +44,8 @@ class _Slot:
         if self._held:
             self._held = False
             self._counts[self._execution_id] -= 1
+            if not self._counts[self._execution_id]:  # no entry kept per idle execution
+                del self._counts[self._execution_id]
 
     def bind(self, owner: object) -> None:
         """Release at the latest when `owner` (e.g. a response stream that may never run) is collected."""
@@ -66,7 +69,7 @@ class ProxyService:
         self.store = store
         self.admin_token = admin_token
         self.router = Router(list(cells))
-        self._keys: dict[str, str] = {}
+        self._keys: OrderedDict[str, str] = OrderedDict()  # key -> execution, LRU of KEY_CACHE entries
         self._inflight: dict[str, int] = {}
         self._main_system: dict[str, str] = {}
         self._splices: dict[str, OrderedDict[str, tuple[str, list[int]]]] = {}
@@ -94,11 +97,17 @@ class ProxyService:
             return None
         cached = self._keys.get(api_key)
         if cached is not None:
+            self._keys.move_to_end(api_key)
             return cached
         execution_id = await self.store.call("execution_for_key", api_key)
         if execution_id is not None:
-            self._keys[api_key] = execution_id
+            self._cache_key(api_key, execution_id)
         return execution_id
+
+    def _cache_key(self, api_key: str, execution_id: str) -> None:
+        self._keys[api_key] = execution_id
+        while len(self._keys) > KEY_CACHE:  # the store knows every key: a miss only costs a look-up
+            self._keys.popitem(last=False)
 
     # ---- admin ----------------------------------------------------------------------------------
     async def register_execution(
@@ -108,7 +117,7 @@ class ProxyService:
             created = await self.store.call("register", execution_id, metadata)
         except StoreError as exc:
             raise ApiError(409 if "already" in str(exc) else 400, str(exc)) from None
-        self._keys[created["api_key"]] = created["execution_id"]
+        self._cache_key(created["api_key"], created["execution_id"])
         return created
 
     async def records_jsonl(self, execution_id: str) -> str:

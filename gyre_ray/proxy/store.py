@@ -140,11 +140,13 @@ class TrajectoryStore:
         return "".join(record.to_json() + "\n" for record in self.records(execution_id))
 
     def finish_execution(self, execution_id: str) -> str:
-        """Spill the execution's records to disk and stop keeping them in memory; returns the file path."""
+        """Spill the execution's records to disk and stop keeping them (and its splice index) in memory;
+        returns the file path. What stays is its key and metadata (a few hundred bytes)."""
         with self._lock:
             ex = self._get(execution_id)
             self._spill(ex)
             ex.finished = True
+            ex.splice.clear()  # a (rare) call after the end is encoded afresh, not spliced
             return str(self._path(ex))
 
     def stats(self) -> dict[str, int]:
