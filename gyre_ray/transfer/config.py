@@ -51,6 +51,11 @@ class TransferSection(Section):
         "object_store",
         description="Backend moving a request's or a waiting session's KV state between cells.",
     )
+    migrate_sessions: bool = Field(
+        True,
+        description="When a cell drains, move the cached prompt prefix of each session it served (agents "
+        "waiting between calls) to the cell its next call goes to; off: that call re-prefills its prompt.",
+    )
     verify_checksums: bool = Field(
         False, description="CRC-32 every tensor on both ends and fail a transfer whose bytes differ."
     )
