@@ -95,6 +95,18 @@ class Peer:
     def fetch(self, ticket: Any) -> Any:
         return self.transport.fetch(ticket)
 
+    def reuse_probe(self, tickets: list[Any]) -> dict[str, Any]:
+        """Fetch tickets[0] and keep it, fetch [1] and drop it, fetch [2]: which receive buffers held them."""
+        kept = self.transport.fetch(tickets[0])
+        second = self.transport.fetch(tickets[1])
+        second_ptr, second_values = second["x"].data_ptr(), second["x"].tolist()
+        del second
+        third = self.transport.fetch(tickets[2])
+        return {
+            "kept": kept["x"].tolist(), "second": second_values, "third": third["x"].tolist(),
+            "kept_ptr": kept["x"].data_ptr(), "second_ptr": second_ptr, "third_ptr": third["x"].data_ptr(),
+        }  # fmt: skip
+
     def receive_weights(self, ticket: Any, engine: str = "main") -> int:
         """Load `ticket` into the named (stand-in) engine, through that engine's WeightReceiver."""
         receiver = self.receivers.setdefault(engine, WeightReceiver(self.transport))
@@ -172,6 +184,20 @@ def test_mooncake_refuses_a_ticket_whose_buffer_was_reused() -> None:
     assert ray.get(cell.fetch.remote(tickets[2]))["x"].tolist() == [2.0] * 4
     with pytest.raises(ray.exceptions.RayTaskError, match="ticket too old"):
         ray.get(cell.fetch.remote(tickets[0]))  # two staging buffers: the third stage reused the first's
+
+
+@needs_mooncake
+def test_mooncake_reuses_a_receive_buffer_only_once_nothing_views_it() -> None:
+    core, _, cell = _peers("mooncake")
+    first, second = (
+        ray.get(core.stage.remote({"x": torch.full((1000,), float(i))}, "weights", i)) for i in (1, 2)
+    )
+    probe = ray.get(cell.reuse_probe.remote([first, second, first]))
+    assert (
+        probe["kept"] == [1.0] * 1000 and probe["second"] == [2.0] * 1000 and probe["third"] == [1.0] * 1000
+    )
+    assert probe["second_ptr"] != probe["kept_ptr"]  # the first fetch's tensors are alive: another buffer
+    assert probe["third_ptr"] == probe["second_ptr"]  # the second's were dropped: its buffer is reused
 
 
 def _kill_and_wait(actor: Any, timeout_s: float = 120.0) -> None:

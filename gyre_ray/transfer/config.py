@@ -31,6 +31,12 @@ class MooncakeOptions(Section):
         description="Registered send buffers reused round-robin across versions (2: version v stays "
         "readable while v+1 is staged).",
     )
+    receive_buffers: int = Field(
+        2,
+        ge=0,
+        description="Registered, pre-touched receive buffers reused across fetches (each once nothing "
+        "returned from its last fetch is alive); 0: a fresh buffer per fetch.",
+    )
 
 
 class CollectiveOptions(Section):
