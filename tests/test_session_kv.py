@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from asyncio import run
 from typing import Any
 
@@ -25,6 +26,12 @@ from gyre_ray.engines.testing import GREEDY, small_model, token_prompt
 from gyre_ray.model.config import ModelSection
 from gyre_ray.proxy.codec import ChatCodec
 from gyre_ray.proxy.local import build_local_proxy
+from gyre_ray.transfer.mooncake import mooncake_available
+
+MOONCAKE_OK, MOONCAKE_WHY = mooncake_available()
+needs_mooncake = pytest.mark.skipif(
+    not MOONCAKE_OK and os.environ.get("CI") != "true", reason=f"Mooncake cannot load: {MOONCAKE_WHY}"
+)
 
 CODEC = ChatCodec.for_model(ModelSection())
 AGENTS = 4
@@ -240,3 +247,44 @@ def test_anthropic_and_responses_usage_report_the_cache_hit_of_a_second_call(tmp
     assert first["cached"] == 0
     prompt = second["input"] + second["cached"] if api.startswith("anthropic") else second["input"]
     assert second["cached"] > 0.8 * prompt  # the system prompt, the first turn and its reply
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["object_store", pytest.param("mooncake", marks=needs_mooncake)])
+def test_a_drained_sessions_kv_moves_between_cell_actors_on_ray(ray_cluster, backend: str) -> None:
+    from gyre_ray.cells.pool import CellPool
+    from gyre_ray.proxy.clients import RayCellClient
+
+    factory = PolicyEngineFactory(engine={"prefix_cache_tokens": 100_000})
+    pool = CellPool.start(2, factory, 0.5, prefix=f"kv-{backend}", transfer={"kv": backend})
+    try:
+        a, b = (RayCellClient(cid, actor) for cid, actor in pool.actors.items())
+        prompt = token_prompt(300, vocab_size=8192)
+
+        async def scenario() -> tuple[Any, int]:
+            first = [e async for e in a.generate(GenerateRequest("s/1", prompt, GREEDY), session="s")]
+            outputs = [t.token_id for batch in first for t in batch.events]
+            assert await a.drain() == 0  # nothing in flight: the waiting session is staged instead
+            ticket = await a.take_session("s")
+            nxt = prompt + outputs + token_prompt(7, start=900, vocab_size=8192)
+            [_ async for _ in b.generate(GenerateRequest("s/2", nxt, GREEDY), session="s", prefix=ticket)]
+            return ticket, len(nxt)
+
+        ticket, prompt_tokens = run(scenario())
+        assert ticket is not None and ticket.backend == backend and ticket.kind == "kv"
+        status = run(b.status())
+        assert status["sessions"]["imported_tokens"] == len(prompt) + GREEDY.max_new_tokens - 1
+        assert status["engine"]["prefill_computed_tokens"] == 8  # the 7 new tokens and the last output
+        assert status["engine"]["prompt_tokens"] == prompt_tokens
+    finally:
+        pool.shutdown()

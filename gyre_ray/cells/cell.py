@@ -100,6 +100,7 @@ class RolloutCell:
         self._transports: dict[str, Transport] = {}
         self._sessions: OrderedDict[str, list[int]] = OrderedDict()  # session -> its last context here
         self._staged: dict[str, Ticket] = {}  # drained sessions' prefixes, until taken or undrained
+        self._handed: list[Ticket] = []  # taken ones, released at undrain (their receivers fetched them)
         self.session_counters = dict.fromkeys(
             ("staged", "staged_tokens", "stage_failures", "taken", "imported_tokens", "import_failures"), 0
         )
@@ -175,6 +176,7 @@ class RolloutCell:
         ticket = self._staged.pop(session, None)
         if ticket is not None:
             self.session_counters["taken"] += 1
+            self._handed.append(ticket)
         return ticket
 
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
@@ -205,10 +207,10 @@ class RolloutCell:
         return sum(moved)
 
     async def undrain(self) -> None:
-        """Take requests again (session prefixes not taken by then are dropped)."""
+        """Take requests again; staged session prefixes (taken or not) are released."""
         self.draining = False
-        for session in list(self._staged):
-            ticket = self._staged.pop(session)
+        tickets, self._staged, self._handed = [*self._staged.values(), *self._handed], {}, []
+        for ticket in tickets:
             with contextlib.suppress(Exception):
                 self._transport(ticket.backend).release(ticket)
 

@@ -11,6 +11,9 @@ no tensor viewing it is alive any more (its storage's use count, a torch interna
 use, a fetch reads into a one-off buffer instead. Needs the `mooncake-transfer-engine` wheel (the
 non-CUDA build on CPU machines, with Debian's libibverbs1).
 
+KV states (`kind="kv"`: a drained cell stages one per waiting session) each get a buffer of their
+own, kept until the sender releases the ticket.
+
 Each staged buffer starts with a 64-byte header holding the stage's sequence number; the receiver
 reads it with the payload and refuses bytes whose number differs from its ticket's (the buffer was
 reused by a later stage), so a late reader fails loudly instead of mixing versions.
@@ -93,6 +96,7 @@ class MooncakeTransport(Transport):
         self._send: list[_Registered] = []
         self._recv: list[_Registered] = []
         self._recv_lock = threading.Lock()
+        self._held: dict[int, _Registered] = {}  # KV stages by sequence number, until released
         self._next = 0
 
     @property
@@ -120,10 +124,15 @@ class MooncakeTransport(Transport):
         return f"{self.section.mooncake.hostname}:{self.engine.get_rpc_port()}"
 
     def stage(self, payload: Any, *, kind: str, version: int | None = None, **_: Any) -> Ticket:
+        """Weights and gradients go to the round-robin staging buffers; KV states (many at once, one
+        per drained session) each to a buffer of their own, kept until `release(ticket)`."""
         layout, tensors = plan(payload)
         session = self.session_id
-        slot = self._send[self._next % len(self._send)]
         self._next += 1
+        if kind == "kv":
+            slot = self._held[self._next] = _Registered(self.engine)
+        else:
+            slot = self._send[(self._next - 1) % len(self._send)]
         buffer = slot.ensure(HEADER + layout.nbytes)
         buffer[:8].view(torch.int64)[0] = self._next
         write_into(buffer[HEADER:], layout, tensors)
@@ -175,7 +184,12 @@ class MooncakeTransport(Transport):
                     ticket, f"Mooncake read from {ticket.address['peer']} returned {rc} (peer gone?)"
                 )
 
+    def release(self, ticket: Ticket) -> None:
+        held = self._held.pop(ticket.address.get("seq"), None)
+        if held is not None:
+            held.free()
+
     def close(self) -> None:
-        for slot in [*self._send, *self._recv]:
+        for slot in [*self._send, *self._recv, *self._held.values()]:
             slot.free()
-        self._send, self._recv, self._engine = [], [], None
+        self._send, self._recv, self._held, self._engine = [], [], {}, None
