@@ -186,6 +186,20 @@ def test_an_engine_without_prefix_export_falls_back_to_re_prefill() -> None:
     assert status["session_kv"] == "re-prefill" and status["sessions"]["staged"] == 0 and ticket is None
 
 
+def test_a_finished_execution_is_no_longer_kept_for_a_drain(tmp_path) -> None:
+    async def scenario() -> list[int]:
+        lp = await build_local_proxy(CODEC, ScriptedEngineFactory(), tmp_path, num_cells=1)
+        created = lp.register_execution()
+        transport = httpx.ASGITransport(app=lp.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://p") as http:
+            await _chat(http, created["api_key"], _agent_messages(0))
+        remembered = [lp.cells["cell-0"].status()["sessions"]["remembered"]]
+        await lp.service.finish_execution(created["execution_id"])
+        return remembered + [lp.cells["cell-0"].status()["sessions"]["remembered"]]
+
+    assert run(scenario()) == [1, 0]
+
+
 def _sse(text: str, event: str) -> list[dict[str, Any]]:
     """The payloads of the SSE events named `event`."""
     blocks = [b for b in text.split("\n\n") if b.startswith(f"event: {event}\n")]

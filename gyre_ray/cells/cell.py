@@ -179,6 +179,10 @@ class RolloutCell:
             self._handed.append(ticket)
         return ticket
 
+    async def forget_session(self, session: str) -> None:
+        """The session is over: a drain no longer stages its prefix."""
+        self._sessions.pop(session, None)
+
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
         """Stop a request (its caller went away); True if it was running here.
 

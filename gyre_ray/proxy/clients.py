@@ -48,6 +48,9 @@ class LocalCellClient:
     async def take_session(self, session: str) -> Ticket | None:
         return await self.cell.take_session(session)
 
+    async def forget_session(self, session: str) -> None:
+        await self.cell.forget_session(session)
+
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
         return await self.cell.abort(rid, wait_s)
 
@@ -95,6 +98,9 @@ class RayCellClient:
 
     async def take_session(self, session: str) -> Ticket | None:
         return await self.actor.take_session.remote(session)
+
+    async def forget_session(self, session: str) -> None:
+        await self.actor.forget_session.remote(session)
 
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
         return await self.actor.abort.remote(rid, wait_s)

@@ -120,7 +120,13 @@ class ProxyService:
             path = await self.store_read("finish_execution", execution_id)
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
+        pinned = self.router.affinity.get(execution_id)
         self.router.forget(execution_id)
+        if pinned is not None and hasattr(self.cells.get(pinned), "forget_session"):
+            with contextlib.suppress(Exception):  # the cell only stops keeping the session for a drain
+                await asyncio.wait_for(
+                    self.cells[pinned].forget_session(execution_id), SESSION_TAKE_TIMEOUT_S
+                )
         self._splices.pop(execution_id, None)
         self._main_system.pop(execution_id, None)
         return path
