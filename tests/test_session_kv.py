@@ -302,3 +302,32 @@ def test_a_drained_sessions_kv_moves_between_cell_actors_on_ray(ray_cluster, bac
         assert status["engine"]["prompt_tokens"] == prompt_tokens
     finally:
         pool.shutdown()
+
+
+def test_a_drain_stages_waiting_sessions_only_in_flight_ones_move_with_their_request() -> None:
+    from gyre_ray.engines.base import SamplingParams
+    from gyre_ray.engines.testing import small_engine
+
+    async def scenario() -> tuple[int, dict[str, Any], Any, Any]:
+        cell = RolloutCell("c", lambda: small_engine(prefix_cache_tokens=10_000))
+        await cell.setup()
+        for session in ("a", "b"):
+            [
+                _
+                async for _ in cell.generate(
+                    GenerateRequest(f"{session}/1", token_prompt(30), GREEDY), session
+                )
+            ]
+        long = SamplingParams(temperature=0.0, max_new_tokens=900)
+        stream = cell.generate(GenerateRequest("b/2", token_prompt(40), long), "b")
+        await stream.__anext__()  # b's second call is generating
+        moved = await cell.drain()
+        rest = [event async for event in stream]
+        status = cell.status()
+        tickets = await cell.take_session("a"), await cell.take_session("b")
+        cell.close()
+        return moved, status, tickets, rest[-1]
+
+    moved, status, (a, b), last = run(scenario())
+    assert moved == 1 and type(last).__name__ == "Migrated"
+    assert status["sessions"]["staged"] == 1 and a is not None and b is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class _InFlight:
     state: KVState | None = None
     exported: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # the request left this cell
+    session: str | None = None
 
 
 class RolloutCell:
@@ -82,7 +84,7 @@ class RolloutCell:
         torch_threads: int | None = None,
         stream_interval_s: float = 0.0,
         transfer: dict[str, Any] | None = None,
-        max_sessions: int = 4096,
+        max_sessions: int = 1024,
     ) -> None:
         """`transfer`: the `transfer` section (dumped), whose `kv` backend stages sessions' prefixes;
         `max_sessions`: sessions whose last context the cell remembers (least recent forgotten first)."""
@@ -98,7 +100,7 @@ class RolloutCell:
         self.transfer = TransferSection.model_validate(transfer or {})
         self.max_sessions = max_sessions
         self._transports: dict[str, Transport] = {}
-        self._sessions: OrderedDict[str, list[int]] = OrderedDict()  # session -> its last context here
+        self._sessions: OrderedDict[str, array] = OrderedDict()  # session -> its last context here
         self._staged: dict[str, Ticket] = {}  # drained sessions' prefixes, until taken or undrained
         self._handed: list[Ticket] = []  # taken ones, released at undrain (their receivers fetched them)
         self.session_counters = dict.fromkeys(
@@ -206,8 +208,9 @@ class RolloutCell:
     async def drain(self) -> int:
         """Stop taking requests and hand every in-flight one back as `Migrated`; returns how many moved."""
         self.draining = True
-        moved = await asyncio.gather(*(self._export(f) for f in list(self._inflight.values())))
-        await self._stage_sessions()
+        flights = list(self._inflight.values())
+        moved = await asyncio.gather(*(self._export(f) for f in flights))
+        await self._stage_sessions(busy={f.session for f in flights})
         return sum(moved)
 
     async def undrain(self) -> None:
@@ -248,20 +251,23 @@ class RolloutCell:
     def _remember(self, session: str | None, context: list[int]) -> None:
         if session is None:
             return
-        self._sessions[session] = context
+        self._sessions[session] = array("i", context)  # 4 bytes a token: contexts are long
         self._sessions.move_to_end(session)
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
 
-    async def _stage_sessions(self) -> None:
-        """Export and stage the cached prefix of every remembered session that is not in flight here."""
+    async def _stage_sessions(self, busy: set[str | None]) -> None:
+        """Export and stage the cached prefix of every remembered session not in `busy` (those in
+        flight move with their request's KV)."""
         sessions, self._sessions = self._sessions, OrderedDict()
         if self._session_mode() != "migrate":
             return
         engine, transport = self._engine(), self._transport(self.transfer.kv)
         for session, context in sessions.items():
+            if session in busy:
+                continue
             try:
-                state = await engine.export_prefix(context)
+                state = await engine.export_prefix(context.tolist())
                 if state is None:
                     continue
                 ticket = await asyncio.to_thread(transport.stage, state, kind="kv", version=state.version)
@@ -308,7 +314,7 @@ class RolloutCell:
         if rid in self._inflight:
             yield Failed("input", f"request id {rid!r} is already in flight on cell {self.cell_id}")
             return
-        flight = _InFlight(rid, asyncio.Queue())
+        flight = _InFlight(rid, asyncio.Queue(), session=session)
         self._inflight[rid] = flight
         started = time.perf_counter()
         pump = asyncio.create_task(self._pump(flight, open_stream))
