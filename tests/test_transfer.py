@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from typing import Any
 
@@ -74,8 +75,9 @@ def test_layout_round_trip_is_bit_exact() -> None:
 class Peer:
     """One process' end of a transport, as a cell actor would hold it."""
 
-    def __init__(self, backend: str, owner: str) -> None:
-        self.transport = make_transport(backend, TransferSection(verify_checksums=True), owner=owner)
+    def __init__(self, backend: str, owner: str, timeout_s: float = 120.0) -> None:
+        section = TransferSection(verify_checksums=True, timeout_s=timeout_s)
+        self.transport = make_transport(backend, section, owner=owner)
         self.receivers: dict[str, WeightReceiver] = {}
         self.got: dict[str, Any] = {}
         self.publisher = WeightPublisher(self.transport)
@@ -226,6 +228,30 @@ def test_failed_transfer_names_cell_and_version_and_keeps_old_weights() -> None:
     assert "cell-2" in message and "weights v2" in message and "cell-9" in message
     held_version, got = ray.get(cell.held.remote("failing"))
     assert held_version == 1 and _same(got, state)
+
+
+@needs_mooncake
+def test_a_mooncake_read_from_a_stuck_sender_times_out_naming_cell_and_version() -> None:
+    sender = Peer.options(num_cpus=0).remote("mooncake", "cell-8")
+    cell = Peer.options(num_cpus=0).remote("mooncake", "cell-7", timeout_s=2.0)
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    assert ray.get(cell.receive_weights.remote(ray.get(sender.publish.remote(state, 1)))) == 1
+    ticket = ray.get(sender.publish.remote({"w": state["w"] * 2}, 2))
+    pid = ray.get(sender.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)  # alive but silent: its reads hang
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(cell.receive_weights.remote(ticket), timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert isinstance(info.value.cause, TransferError)
+    message = str(info.value.cause)
+    assert message.startswith("cell-7: receiving weights v2 from cell-8") and "within 2 s" in message
+    held_version, got = ray.get(cell.held.remote())
+    assert held_version == 1 and _same(got, state)
+    assert ray.get(cell.receive_weights.remote(ticket)) == 2  # the sender is back: the next try works
+    ray.kill(sender)
+    ray.kill(cell)
 
 
 @ray.remote(num_cpus=0)

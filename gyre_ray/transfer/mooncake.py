@@ -8,7 +8,9 @@ reads the payload in `chunk_bytes` pieces in one batch into one of `receive_buff
 pre-touched buffers (fresh memory would page-fault under the transfer: 0.55 against 1.48 GiB/s
 measured on TCP loopback) and returns views into it, no second copy. A buffer is reused only once
 no tensor viewing it is alive any more (its storage's use count, a torch internal); while all are in
-use, a fetch reads into a one-off buffer instead. Needs the `mooncake-transfer-engine` wheel (the
+use, a fetch reads into a one-off buffer instead. A read runs on a thread waited for
+`transfer.timeout_s` at most: a sender that is alive but silent fails the fetch then, and the
+buffer it was reading into is abandoned (the read may still write into it). Needs the `mooncake-transfer-engine` wheel (the
 non-CUDA build on CPU machines, with Debian's libibverbs1).
 
 KV states (`kind="kv"`: a drained cell stages one per waiting session) each get a buffer of their
@@ -39,6 +41,10 @@ def mooncake_available() -> tuple[bool, str]:
     except Exception as exc:  # ImportError, or OSError for a missing libibverbs
         return False, f"{type(exc).__name__}: {exc}"
     return True, ""
+
+
+class _StuckRead(TransferError):
+    """A read that did not finish within `transfer.timeout_s` (its receive buffer is abandoned)."""
 
 
 def _use_count(buffer: torch.Tensor) -> int | None:
@@ -97,6 +103,8 @@ class MooncakeTransport(Transport):
         self._recv: list[_Registered] = []
         self._recv_lock = threading.Lock()
         self._held: dict[int, _Registered] = {}  # KV stages by sequence number, until released
+        self._abandoned: list[_Registered] = []  # receive buffers of reads that timed out (kept alive)
+        self._readers: list[threading.Thread] = []  # those reads' threads
         self._next = 0
 
     @property
@@ -142,9 +150,14 @@ class MooncakeTransport(Transport):
     def fetch(self, ticket: Ticket) -> Any:
         self.engine  # noqa: B018 - starts the transfer engine and its receive pool on first use
         slot, pooled = self._receive_slot()
+        hung = False
         try:
             buffer = slot.ensure(HEADER + ticket.nbytes)
-            self._read(ticket, buffer)
+            try:
+                self._read(ticket, buffer)
+            except _StuckRead:
+                hung = True
+                raise
             seq = int(buffer[:8].view(torch.int64)[0])
             if seq != ticket.address["seq"]:
                 raise self.error(
@@ -154,9 +167,18 @@ class MooncakeTransport(Transport):
             self._verify(ticket, payload)
             return read_from(payload, ticket.layout, copy=False)  # views: they keep the slot in use
         finally:
-            slot.busy = False
-            if not pooled:
-                slot.free()  # only the registration: `buffer` lives on in the returned tensors
+            if hung:  # the read may still write into this buffer: never reuse or free it
+                self._abandon(slot, pooled)
+            else:
+                slot.busy = False
+                if not pooled:
+                    slot.free()  # only the registration: `buffer` lives on in the returned tensors
+
+    def _abandon(self, slot: _Registered, pooled: bool) -> None:
+        with self._recv_lock:
+            self._abandoned.append(slot)
+            if pooled:
+                self._recv[self._recv.index(slot)] = _Registered(self.engine, touch=True)
 
     def _receive_slot(self) -> tuple[_Registered, bool]:
         """A pooled receive buffer no live tensor views (True), else a one-off one (False)."""
@@ -170,6 +192,8 @@ class MooncakeTransport(Transport):
         return slot, False
 
     def _read(self, ticket: Ticket, buffer: torch.Tensor) -> None:
+        """Read the staged bytes into `buffer` (on a thread, waited for `transfer.timeout_s` at most:
+        past that `_StuckRead`, and the read may still write into `buffer` later)."""
         engine = self.engine
         chunk = self.section.mooncake.chunk_bytes
         total = HEADER + ticket.nbytes
@@ -177,12 +201,22 @@ class MooncakeTransport(Transport):
         local = [buffer.data_ptr() + o for o in offsets]
         remote = [ticket.address["addr"] + o for o in offsets]
         lengths = [min(chunk, total - o) for o in offsets]
-        if offsets:
-            rc = engine.batch_transfer_sync_read(ticket.address["peer"], local, remote, lengths)
-            if rc != 0:
-                raise self.error(
-                    ticket, f"Mooncake read from {ticket.address['peer']} returned {rc} (peer gone?)"
-                )
+        if not offsets:
+            return
+        peer, result = ticket.address["peer"], []
+
+        def read() -> None:
+            result.append(engine.batch_transfer_sync_read(peer, local, remote, lengths))
+
+        reader = threading.Thread(target=read, name="gyre-mooncake-read", daemon=True)
+        reader.start()
+        reader.join(self.section.timeout_s)
+        if reader.is_alive():
+            self._readers.append(reader)
+            reason = f"no data from {peer} within {self.section.timeout_s:g} s (peer stuck?)"
+            raise _StuckRead(self.error(ticket, reason).args[0])
+        if result[0] != 0:
+            raise self.error(ticket, f"Mooncake read from {peer} returned {result[0]} (peer gone?)")
 
     def release(self, ticket: Ticket) -> None:
         held = self._held.pop(ticket.address.get("seq"), None)
