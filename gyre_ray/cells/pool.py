@@ -73,12 +73,14 @@ class CellPool:
         trainer_factory: TrainerFactory | None = None,
         gpus_per_cell: float = 0.0,
         core_index: int = 0,
+        transfer: dict[str, Any] | None = None,
     ) -> CellPool:
         """Reserve the groups, start one cell actor in each and wait until every engine is built.
 
         `detached`: groups and actors outlive the calling process (Serve app builders).
         `stream_interval_s`: see `RolloutCell`.
         `trainer_factory`: start `DualRoleCell`s (rollout or training; cell `core_index` is the core).
+        `transfer`: rollout cells' `transfer` section (dumped; dual-role cells take the trainer factory's).
         """
         import ray
         from ray.util.placement_group import placement_group
@@ -97,7 +99,7 @@ class CellPool:
                 pool.groups[spec.cell_id] = group
             ray.get([g.ready() for g in pool.groups.values()], timeout=timeout_s)
             for index, spec in enumerate(pool.specs):
-                args = (spec.cell_id, engine_factory, spec.torch_threads, stream_interval_s)
+                args = (spec.cell_id, engine_factory, spec.torch_threads, stream_interval_s, transfer)
                 if trainer_factory is not None:
                     args = (
                         spec.cell_id,

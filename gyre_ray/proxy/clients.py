@@ -14,6 +14,7 @@ from typing import Any
 
 from gyre_ray.cells.cell import CellEvent, RolloutCell
 from gyre_ray.engines.base import GenerateRequest, KVState
+from gyre_ray.transfer import Ticket
 
 
 async def _replay(events: Awaitable[list[CellEvent]]) -> AsyncIterator[CellEvent]:
@@ -28,11 +29,27 @@ class LocalCellClient:
         self.cell = cell
         self.cell_id = cell.cell_id
 
-    def generate(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[CellEvent]:
-        return self.cell.generate(request) if stream else _replay(self.cell.generate_all(request))
+    def generate(
+        self,
+        request: GenerateRequest,
+        stream: bool = True,
+        session: str | None = None,
+        prefix: Ticket | None = None,
+    ) -> AsyncIterator[CellEvent]:
+        if stream:
+            return self.cell.generate(request, session, prefix)
+        return _replay(self.cell.generate_all(request, session, prefix))
 
-    def resume(self, state: KVState, stream: bool = True) -> AsyncIterator[CellEvent]:
-        return self.cell.resume(state) if stream else _replay(self.cell.resume_all(state))
+    def resume(
+        self, state: KVState, stream: bool = True, session: str | None = None
+    ) -> AsyncIterator[CellEvent]:
+        return self.cell.resume(state, session) if stream else _replay(self.cell.resume_all(state, session))
+
+    async def take_session(self, session: str) -> Ticket | None:
+        return await self.cell.take_session(session)
+
+    async def forget_session(self, session: str) -> None:
+        await self.cell.forget_session(session)
 
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
         return await self.cell.abort(rid, wait_s)
@@ -61,15 +78,29 @@ class RayCellClient:
         async for ref in generator:
             yield await ref
 
-    def generate(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[CellEvent]:
+    def generate(
+        self,
+        request: GenerateRequest,
+        stream: bool = True,
+        session: str | None = None,
+        prefix: Ticket | None = None,
+    ) -> AsyncIterator[CellEvent]:
         if not stream:
-            return _replay(self.actor.generate_all.remote(request))
-        return self._iterate(self.actor.generate.remote(request))
+            return _replay(self.actor.generate_all.remote(request, session, prefix))
+        return self._iterate(self.actor.generate.remote(request, session, prefix))
 
-    def resume(self, state: KVState, stream: bool = True) -> AsyncIterator[CellEvent]:
+    def resume(
+        self, state: KVState, stream: bool = True, session: str | None = None
+    ) -> AsyncIterator[CellEvent]:
         if not stream:
-            return _replay(self.actor.resume_all.remote(state))
-        return self._iterate(self.actor.resume.remote(state))
+            return _replay(self.actor.resume_all.remote(state, session))
+        return self._iterate(self.actor.resume.remote(state, session))
+
+    async def take_session(self, session: str) -> Ticket | None:
+        return await self.actor.take_session.remote(session)
+
+    async def forget_session(self, session: str) -> None:
+        await self.actor.forget_session.remote(session)
 
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
         return await self.actor.abort.remote(rid, wait_s)
