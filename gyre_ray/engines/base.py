@@ -12,7 +12,7 @@ import abc
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -110,7 +110,13 @@ class KVState:
 
 
 class RolloutEngine(abc.ABC):
-    """Token-level generation with continuous batching, prefix caching and KV migration."""
+    """Token-level generation with continuous batching, prefix caching and KV migration.
+
+    `kv_export` declares whether `export_kv` carries the request's KV tensors. An engine without
+    (SGLang) returns a state with `kv=None`; `import_kv` of such a state re-prefills prompt + output.
+    """
+
+    kv_export: ClassVar[bool] = True
 
     @abc.abstractmethod
     async def generate(self, request: GenerateRequest) -> GenerateResult:
