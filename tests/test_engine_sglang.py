@@ -389,3 +389,36 @@ def test_launch_command_and_missing_pieces_are_explained() -> None:
     else:
         with pytest.raises(SGLangUnavailableError, match="cell cell-4: .*needs a CUDA GPU"):
             check_available("cell-4", [])
+
+
+def test_an_abort_that_beats_the_request_to_the_server_still_stops_it(fake: FakeSGLang) -> None:
+    engine = sglang_engine(fake)
+
+    async def scenario():
+        events, task = await start_stream(engine.stream(GenerateRequest("early", token_prompt(8), LONG)), 0)
+        await asyncio.sleep(0)  # the request is registered; its HTTP call has not gone out yet
+        assert engine.stats()["running"] == 1 and not fake.calls
+        partial = await engine.abort("early")
+        await asyncio.wait_for(task, 30)
+        return partial, events
+
+    partial, events = asyncio.run(scenario())
+    assert partial is not None and partial.finish_reason == "abort" and len(partial.output_ids) < 400
+    assert events[-1].finish_reason == "abort" and engine.stats()["running"] == 0
+
+
+def test_aborting_on_a_server_that_never_answers_gives_up_after_abort_wait(fake: FakeSGLang) -> None:
+    engine = sglang_engine(fake, abort_wait_s=1.0)
+    fake.hang_generate = True
+
+    async def scenario():
+        events, task = await start_stream(engine.stream(GenerateRequest("stuck", token_prompt(4), LONG)), 0)
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        partial = await engine.abort("stuck")
+        await asyncio.wait_for(task, 10)
+        return partial, events, time.monotonic() - started
+
+    partial, events, took = asyncio.run(scenario())
+    assert partial.output_ids == [] and partial.finish_reason == "abort" and took < 10
+    assert [e.token_id for e in events] == [ABORT_TOKEN_ID]

@@ -148,14 +148,18 @@ class SGLangEngine(RolloutEngine):
         flight = self._flights.get(rid)
         if flight is None or flight.ended.is_set():
             return None
-        with contextlib.suppress(SGLangServerError):
-            await self.client.abort(rid)
-        try:
-            await asyncio.wait_for(asyncio.shield(flight.ended.wait()), self.abort_wait_s)
-        except asyncio.TimeoutError:  # the server did not end the stream: stop reading it
-            if flight.pump is not None:
-                flight.pump.cancel()
-            await flight.ended.wait()
+        deadline = asyncio.get_running_loop().time() + self.abort_wait_s
+        while not flight.ended.is_set():  # again until it ends: the first may beat the request there
+            with contextlib.suppress(SGLangServerError):
+                await self.client.abort(rid)
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:  # the server did not end the stream: stop reading it
+                if flight.pump is not None:
+                    flight.pump.cancel()
+                await flight.ended.wait()
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(flight.ended.wait()), min(0.5, remaining))
         if flight.finish_reason != "abort":
             return None  # it finished on its own meanwhile
         return flight.result()
