@@ -104,8 +104,20 @@ class FakeSGLang:
             "cached_tokens": 0,
             "output_token_logprobs": [[t.logprob, t.token_id, None] for t in shown],
             "weight_version": self.weight_version,
+            "weight_versions": self._spans(tokens),
         }
         return {"output_ids": [t.token_id for t in shown], "meta_info": meta}
+
+    @staticmethod
+    def _spans(tokens: list[TokenEvent]) -> list[dict[str, Any]]:
+        """SGLang 0.5.23's per-token version spans: runs of tokens made by one weight version."""
+        spans: list[dict[str, Any]] = []
+        for index, token in enumerate(tokens):
+            if spans and spans[-1]["version"] == str(token.version):
+                spans[-1]["end"] = index + 1
+            else:
+                spans.append({"version": str(token.version), "start": index, "end": index + 1})
+        return spans
 
     @staticmethod
     def _reason(event: TokenEvent, request: GenerateRequest) -> dict[str, Any] | None:

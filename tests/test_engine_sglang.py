@@ -21,7 +21,7 @@ from gyre_ray.engines.base import ABORT_TOKEN_ID, EngineInputError, GenerateRequ
 from gyre_ray.engines.config import EngineSection, SGLangOptions
 from gyre_ray.engines.factory import make_engine
 from gyre_ray.engines.sglang import SGLangClient, SGLangEngine, SGLangServerError, SGLangUnavailableError
-from gyre_ray.engines.sglang.protocol import ChunkReader
+from gyre_ray.engines.sglang.protocol import ChunkReader, token_versions
 from gyre_ray.engines.sglang.server import check_available, launch_command
 from gyre_ray.engines.sglang.weight_sync import WeightBroadcaster, buckets
 from gyre_ray.engines.testing import GREEDY, generate_alone, small_engine, small_model, token_prompt
@@ -422,3 +422,14 @@ def test_aborting_on_a_server_that_never_answers_gives_up_after_abort_wait(fake:
     partial, events, took = asyncio.run(scenario())
     assert partial.output_ids == [] and partial.finish_reason == "abort" and took < 10
     assert [e.token_id for e in events] == [ABORT_TOKEN_ID]
+
+
+def test_token_versions_follow_the_servers_spans() -> None:
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    meta = {"weight_version": "4", "weight_versions": spans}
+    assert token_versions(meta, 0, 5, default=0) == [3, 3, 4, 4, 4]
+    assert token_versions(meta, 4, 1, default=0) == [4]
+    assert token_versions({"weight_version": "7"}, 0, 2, default=0) == [7, 7]  # a server without spans
+    assert token_versions({"weight_version": "default"}, 0, 1, default=2) == [
+        2
+    ]  # not ours: the engine's count

@@ -43,7 +43,7 @@ from gyre_ray.engines.base import (
 )
 from gyre_ray.engines.requests import check_request, check_token_ids
 from gyre_ray.engines.sglang.client import SGLangClient, SGLangServerError
-from gyre_ray.engines.sglang.protocol import ChunkReader, finish_reason, generate_body, weight_version
+from gyre_ray.engines.sglang.protocol import ChunkReader, finish_reason, generate_body, token_versions
 from gyre_ray.engines.sglang.server import SGLangServer
 
 _COUNTERS = (
@@ -220,17 +220,22 @@ class SGLangEngine(RolloutEngine):
             body = generate_body(flight.request, self.stop_token_ids)
             async for chunk in self.client.stream(body):
                 meta = chunk.get("meta_info") or {}
-                version = weight_version(meta, flight.version)
                 reason = finish_reason(meta)
                 flight.cached_tokens = int(meta.get("cached_tokens", flight.cached_tokens) or 0)
+                first = len(flight.output_ids)
                 tokens = reader.new_tokens(chunk)
+                versions = token_versions(meta, first, max(1, len(tokens)), flight.version)
                 for index, (token, logprob) in enumerate(tokens):
                     flight.output_ids.append(token)
                     flight.output_logprobs.append(logprob)
-                    flight.output_versions.append(version)
+                    flight.output_versions.append(versions[index])
                     last = index == len(tokens) - 1
-                    flight.queue.put_nowait(TokenEvent(flight.request.rid, token, logprob, version,
-                                                       reason if last else None))  # fmt: skip
+                    flight.queue.put_nowait(
+                        TokenEvent(
+                            flight.request.rid, token, logprob, versions[index], reason if last else None
+                        )
+                    )
+                version = versions[-1]
                 if reason is not None:
                     flight.finish_reason = reason
                     if reason == "abort":

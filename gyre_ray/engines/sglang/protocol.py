@@ -1,7 +1,7 @@
 """The JSON shapes of SGLang's /generate, both ways: a request body from our types, tokens from its chunks.
 
 `generate_body` maps a `GenerateRequest` to SGLang's body (`input_ids`, `sampling_params`,
-`return_logprob`, `rid`). `ChunkReader` turns the stream of chunks into new (token, logprob)
+`return_logprob`, `rid`); `token_versions` reads which weight version produced each token. `ChunkReader` turns the stream of chunks into new (token, logprob)
 pairs: SGLang sends `meta_info.output_token_logprobs` as `[logprob, token_id, text]` triples,
 cumulative by default and as deltas with `--incremental-streaming-output`; the reader tells the
 two apart by `meta_info.completion_tokens` (the running total), so either server setting works.
@@ -54,12 +54,29 @@ def finish_reason(meta_info: dict[str, Any]) -> FinishReason | None:
     return _FINISH_TYPES.get(str(kind), "abort")
 
 
-def weight_version(meta_info: dict[str, Any], default: int) -> int:
-    """The server's `weight_version` when it is an integer (we send str(version)), else `default`."""
+def _as_int(value: Any, default: int) -> int:
     try:
-        return int(meta_info.get("weight_version", default))
+        return int(value)
     except (TypeError, ValueError):
         return default
+
+
+def token_versions(meta_info: dict[str, Any], first: int, count: int, default: int) -> list[int]:
+    """Weight version of output tokens `first .. first+count-1`.
+
+    SGLang 0.5.23 sends `weight_versions` spans ({version, start, end}: the tokens [start, end) came
+    from that version; we send str(version)); older servers one `weight_version` for the request.
+    Versions that are not integers fall back to `default` (the engine's own count).
+    """
+    spans = meta_info.get("weight_versions")
+    fallback = _as_int(meta_info.get("weight_version", default), default)
+    if not isinstance(spans, list) or not spans:
+        return [fallback] * count
+    out = []
+    for index in range(first, first + count):
+        span = next((s for s in spans if int(s.get("start", 0)) <= index < int(s.get("end", 0))), None)
+        out.append(fallback if span is None else _as_int(span.get("version"), default))
+    return out
 
 
 @dataclass
