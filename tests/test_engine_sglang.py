@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_sglang import FakeSGLang, encode_tensors
 
 from gyre_ray.cells.cell import Migrated, RolloutCell, TokenBatch
 from gyre_ray.engines.base import ABORT_TOKEN_ID, EngineInputError, GenerateRequest, SamplingParams
@@ -26,7 +27,6 @@ from gyre_ray.engines.sglang.server import check_available, launch_command
 from gyre_ray.engines.sglang.weight_sync import WeightBroadcaster, buckets
 from gyre_ray.engines.testing import GREEDY, generate_alone, small_engine, small_model, token_prompt
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM
-from tests.fake_sglang import FakeSGLang, encode_tensors
 
 LONG = SamplingParams(temperature=0.0, max_new_tokens=400)
 
@@ -433,3 +433,25 @@ def test_token_versions_follow_the_servers_spans() -> None:
     assert token_versions({"weight_version": "default"}, 0, 1, default=2) == [
         2
     ]  # not ours: the engine's count
+
+
+def test_a_request_moved_twice_keeps_its_prompt_and_all_its_output(fake: FakeSGLang, model) -> None:
+    engine = sglang_engine(fake)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=40)
+    prompt = token_prompt(5, start=13)
+
+    async def scenario():
+        _, task = await start_stream(engine.stream(GenerateRequest("t1", prompt, sampling)), 3)
+        first = await engine.export_kv("t1")
+        await task
+        _, task = await start_stream(engine.import_kv(first), 3)
+        second = await engine.export_kv("t1")
+        await task
+        return first, second, [e.token_id async for e in engine.import_kv(second)]
+
+    first, second, rest = asyncio.run(scenario())
+    want = generate_alone(model, GenerateRequest("w", prompt, sampling))
+    assert second.input_ids == prompt and second.sampling.max_new_tokens == 40
+    assert second.output_ids[: len(first.output_ids)] == first.output_ids
+    assert len(second.output_ids) == len(second.output_logprobs) == len(second.output_versions)
+    assert second.output_ids + rest == want.output_ids

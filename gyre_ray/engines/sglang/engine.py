@@ -75,6 +75,7 @@ class _Flight:
     cached_tokens: int = 0
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     pump: asyncio.Task | None = None
+    prior: KVState | None = None  # an imported request: what it had produced before it came here
 
     def result(self) -> GenerateResult:
         return GenerateResult(
@@ -171,14 +172,25 @@ class SGLangEngine(RolloutEngine):
         if flight is None or result is None:
             raise UnknownRequestError(f"request {rid!r} is not running in cell {self.cell_id}")
         self._stats["exported"] += 1
-        return KVState(
-            rid=rid,
-            input_ids=result.input_ids,
-            output_ids=result.output_ids,
-            output_logprobs=result.output_logprobs,
-            output_versions=result.output_versions,
-            sampling=flight.request.sampling,
+        prior = flight.prior
+        if prior is None:
+            return KVState(
+                rid=rid,
+                input_ids=result.input_ids,
+                output_ids=result.output_ids,
+                output_logprobs=result.output_logprobs,
+                output_versions=result.output_versions,
+                sampling=flight.request.sampling,
+                kv=None,
+                version=self.version,
+            )
+        return dataclasses.replace(  # moved again: the original prompt, everything produced so far
+            prior,
+            output_ids=list(prior.output_ids) + result.output_ids,
+            output_logprobs=list(prior.output_logprobs) + result.output_logprobs,
+            output_versions=list(prior.output_versions) + result.output_versions,
             kv=None,
+            rng_state=None,
             version=self.version,
         )
 
@@ -194,6 +206,7 @@ class SGLangEngine(RolloutEngine):
         sampling = dataclasses.replace(state.sampling, max_new_tokens=remaining)
         request = GenerateRequest(state.rid, list(state.input_ids) + outputs, sampling)
         flight = self._start(request, counter="imported")
+        flight.prior = state
         self._stats["reprefill_tokens"] += len(request.input_ids)
         async for event in self._events(flight):
             yield event
@@ -229,6 +242,7 @@ class SGLangEngine(RolloutEngine):
                     flight.output_ids.append(token)
                     flight.output_logprobs.append(logprob)
                     flight.output_versions.append(versions[index])
+                    self._stats["decode_tokens"] += 1
                     last = index == len(tokens) - 1
                     flight.queue.put_nowait(
                         TokenEvent(
@@ -265,7 +279,6 @@ class SGLangEngine(RolloutEngine):
     def _finish(self, flight: _Flight) -> None:
         if self._flights.get(flight.request.rid) is flight:
             del self._flights[flight.request.rid]
-        self._stats["decode_tokens"] += len(flight.output_ids)
         self._stats["prefix_cached_tokens"] += flight.cached_tokens
         if flight.finish_reason == "abort":
             self._stats["aborted"] += 1
