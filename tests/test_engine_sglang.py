@@ -455,3 +455,52 @@ def test_a_request_moved_twice_keeps_its_prompt_and_all_its_output(fake: FakeSGL
     assert second.output_ids[: len(first.output_ids)] == first.output_ids
     assert len(second.output_ids) == len(second.output_logprobs) == len(second.output_versions)
     assert second.output_ids + rest == want.output_ids
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health_generate" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_started_server_is_waited_for_and_stopped_with_its_folders(tmp_path: Path) -> None:
+    import sys
+
+    from gyre_ray.engines.sglang.server import SGLangServer, free_port
+
+    port = free_port()
+    owned = tmp_path / "model"
+    owned.mkdir()
+    server = SGLangServer(
+        [sys.executable, "-c", HEALTH_SERVER, str(port)], f"http://127.0.0.1:{port}", ["3"], "cell-9", [owned]
+    )
+    server.start()
+    try:
+        server.wait_healthy(timeout_s=30, poll_s=0.1)
+        process = server.process
+        assert process is not None and process.poll() is None
+    finally:
+        server.stop()
+    assert process.poll() is not None and not owned.exists()
+    server.stop()  # twice is fine
+
+
+def test_a_server_that_dies_while_starting_is_reported_with_its_log() -> None:
+    import sys
+
+    from gyre_ray.engines.sglang.server import SGLangServer
+
+    code = "import sys; print('CUDA error: no device'); sys.exit(3)"
+    server = SGLangServer([sys.executable, "-c", code], "http://127.0.0.1:9", ["0"], "cell-2")
+    server.start()
+    with pytest.raises(
+        SGLangServerError, match=r"(?s)cell cell-2: the SGLang server exited with code 3.*no device"
+    ):
+        server.wait_healthy(timeout_s=30, poll_s=0.1)
+    server.stop()

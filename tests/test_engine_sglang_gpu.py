@@ -103,3 +103,22 @@ def test_real_sglang_releases_resumes_and_loads_new_weights(served) -> None:
     got, flushed = asyncio.run(scenario())
     assert got.output_ids == generate_alone(new, request).output_ids and got.output_versions == [1] * 12
     assert flushed is True
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL sender needs a GPU of its own")
+def test_real_sglang_receives_an_nccl_weight_broadcast(served) -> None:
+    from gyre_ray.engines.sglang.server import free_port
+    from gyre_ray.engines.sglang.weight_sync import WeightBroadcaster
+
+    engine, _ = served
+    new = small_model(seed=6)
+    request = GenerateRequest("gpu-4", token_prompt(7), GREEDY)
+
+    async def scenario():
+        sender = WeightBroadcaster([engine], "127.0.0.1", free_port(), group_name="gpu-test", device="cuda:1")
+        await sender.connect()
+        await sender.send(new.state_dict(), 2, bucket_bytes=1 << 20)
+        return await engine.generate(request)
+
+    got = asyncio.run(scenario())
+    assert got.output_ids == generate_alone(new, request).output_ids and got.output_versions == [2] * 12

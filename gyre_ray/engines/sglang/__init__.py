@@ -77,6 +77,7 @@ def launch_engine(
     if stop_token_ids is None:
         stop_token_ids = [] if args.eos_token_id is None else [args.eos_token_id]
     server = None
+    owned: list[str] = []
     if options.url:
         url = options.url
     else:
@@ -85,6 +86,7 @@ def launch_engine(
             from gyre_ray.model.checkpoint import save_hf
 
             model_dir = str(save_hf(model, args, tempfile.mkdtemp(prefix=f"gyre-sglang-{cell_id}-model-")))
+            owned.append(model_dir)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         command = launch_command(
@@ -95,7 +97,7 @@ def launch_engine(
             max_running_requests=section.max_batch_size,
             radix_cache=section.prefix_cache_tokens > 0,
         )
-        server = SGLangServer(command, url, gpus, cell_id)
+        server = SGLangServer(command, url, gpus, cell_id, owned_dirs=owned)
     if server is not None:
         server.start()
         try:

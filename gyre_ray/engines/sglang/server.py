@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,7 +90,16 @@ def launch_command(
 class SGLangServer:
     """One `sglang.launch_server` process owned by a cell."""
 
-    def __init__(self, command: list[str], url: str, gpu_ids: Sequence[int | str], cell_id: str) -> None:
+    def __init__(
+        self,
+        command: list[str],
+        url: str,
+        gpu_ids: Sequence[int | str],
+        cell_id: str,
+        owned_dirs: Sequence[str | Path] = (),
+    ) -> None:
+        """`owned_dirs`: folders made for this server (a saved model) that `stop` removes."""
+        self.owned_dirs = [Path(d) for d in owned_dirs]
         self.command = command
         self.url = url
         self.gpu_ids = [str(g) for g in gpu_ids]
@@ -134,6 +144,8 @@ class SGLangServer:
     def stop(self, grace_s: float = 15.0) -> None:
         """End the server's process group (SIGTERM, then SIGKILL after `grace_s`). Safe to call twice."""
         process, self.process = self.process, None
+        for folder in self.owned_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
         if process is None or process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
