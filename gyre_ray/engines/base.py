@@ -122,6 +122,9 @@ class PrefixState:
 class RolloutEngine(abc.ABC):
     """Token-level generation with continuous batching, prefix caching and KV migration.
 
+    `kv_export` declares whether `export_kv` carries the request's KV tensors. An engine without
+    (SGLang) returns a state with `kv=None`; `import_kv` of such a state re-prefills prompt + output.
+
     Optional: `export_prefix` / `import_prefix` move a waiting session's cached prefix between
     engines. A backend that can declares `supports_prefix_export = True`; the defaults export
     nothing and import nothing, so a moved session's next call re-prefills its prompt.
@@ -136,6 +139,8 @@ class RolloutEngine(abc.ABC):
     async def import_prefix(self, state: PrefixState) -> int:
         """Add another engine's exported prefix to this cache; tokens added (0: unsupported or stale)."""
         return 0
+
+    kv_export: ClassVar[bool] = True
 
     @abc.abstractmethod
     async def generate(self, request: GenerateRequest) -> GenerateResult:
