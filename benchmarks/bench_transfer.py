@@ -7,6 +7,11 @@ tensors), GiB/s of the fetch, and its ratio to a local memcpy of the same bytes 
 receiver's process in the same run. Every delivery is checked bit for bit (CRC-32 per tensor).
 Median of `--rounds` interleaved rounds.
 
+Then a session's KV on drain: a 20-turn agent session on one tiny-model cell (in this process),
+the cell drained, the session's next call on another cell with its staged prefix (fetched through
+the KV transport, `transfer.kv`) and without it: bytes moved, seconds to fetch and import, and
+prompt tokens the next call prefilled. The machine's load (`uptime`) is recorded before and after.
+
 Usage: python benchmarks/bench_transfer.py [--rounds 3] [--mib 200] [--out benchmarks/results]
 Saves transfer_cpu<cores>.json under the output folder.
 """
@@ -14,6 +19,7 @@ Saves transfer_cpu<cores>.json under the output folder.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -82,12 +88,73 @@ class End:
         return time.perf_counter() - start
 
 
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (what `uptime` prints)."""
+    path = Path("/proc/loadavg")
+    return " ".join(path.read_text().split()[:3]) if path.exists() else "unknown"
+
+
+async def _session_kv(turns: int = 20, new_tokens: int = 24, reply: int = 16) -> dict[str, Any]:
+    """A `turns`-turn session on cell A, A drained; its next call on B with and without the staged KV."""
+    from gyre_ray.cells.cell import RolloutCell, TokenBatch
+    from gyre_ray.cells.factories import PolicyEngineFactory
+    from gyre_ray.engines.base import GenerateRequest, SamplingParams
+
+    factory = PolicyEngineFactory(engine={"prefix_cache_tokens": 1 << 20})
+    a, b, c = (RolloutCell(f"cell-{i}", factory) for i in range(3))
+    for cell in (a, b, c):
+        await cell.setup()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=reply, stop_token_ids=[])
+
+    async def call(cell: RolloutCell, rid: str, ids: list[int], prefix: Any = None) -> list[int]:
+        out: list[int] = []
+        async for event in cell.generate(GenerateRequest(rid, ids, greedy), "s", prefix):
+            if isinstance(event, TokenBatch):
+                out.extend(e.token_id for e in event.events)
+        return out
+
+    context: list[int] = []
+    for turn in range(turns):
+        context += [(97 * turn + 13 * j) % 8000 + 100 for j in range(new_tokens)]
+        context += await call(a, f"s/{turn}", list(context))
+    started = time.perf_counter()
+    await a.drain()  # exports and stages the waiting session's cached prefix
+    drain_s = time.perf_counter() - started
+    ticket = await a.take_session("s")
+    nxt = context + [(31 * j) % 8000 + 100 for j in range(new_tokens)]
+    results = {}
+    for name, cell, prefix in (("migrated", b, ticket), ("re-prefill", c, None)):
+        before = cell.status()["engine"]
+        started = time.perf_counter()  # the migrated call includes fetching and importing the prefix
+        out = await call(cell, f"s/{turns}", nxt, prefix)
+        seconds = time.perf_counter() - started
+        after = cell.status()["engine"]
+        results[name] = {
+            "prefill_tokens": after["prefill_computed_tokens"] - before["prefill_computed_tokens"],
+            "call_s": seconds,
+            "output": out,
+        }
+    for cell in (a, b, c):
+        cell.close()
+    same = results["migrated"].pop("output") == results["re-prefill"].pop("output")
+    return {
+        "turns": turns,
+        "prompt_tokens": len(nxt),
+        "kv_bytes": ticket.nbytes,
+        "kv_backend": ticket.backend,
+        "drain_stage_s": drain_s,
+        "greedy_output_same": same,
+        **{f"{name}_{k}": v for name, row in results.items() for k, v in row.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mib", type=int, default=200)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = parser.parse_args()
+    load_before = _load()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     backends = ["object_store", "collective"]
     ok, why = mooncake_available()
@@ -142,6 +209,14 @@ def main() -> None:
             f"{name:<11} {backend:<13} {nbytes / 2**20:>7.1f} {med['stage_s']:>8.3f} {med['fetch_s']:>8.3f} "
             f"{gibs:>7.2f} {mem_gibs:>13.2f} {gibs / mem_gibs:>9.2f}"
         )
+    session = asyncio.run(_session_kv())
+    print(
+        f"session KV on drain ({session['turns']} turns, next prompt {session['prompt_tokens']} tokens): "
+        f"{session['kv_bytes'] / 2**20:.2f} MiB via {session['kv_backend']}, staged in {session['drain_stage_s']:.3f} s; "
+        f"next call prefilled {session['migrated_prefill_tokens']} tokens ({session['migrated_call_s']:.3f} s) "
+        f"against {session['re-prefill_prefill_tokens']} ({session['re-prefill_call_s']:.3f} s) without; "
+        f"same greedy output: {session['greedy_output_same']}"
+    )
     ray.shutdown()
     tag = f"cpu{os.cpu_count()}"
     out = Path(a.out) / f"transfer_{tag}.json"
@@ -152,8 +227,10 @@ def main() -> None:
         "torch": torch.__version__,
         "rounds": a.rounds,
         "note": "fetch = transfer + rebuilding tensors in the receiver; memcpy = one copy of the same bytes there",
+        "load_average_before": load_before,
+        "load_average_after": _load(),
     }
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    out.write_text(json.dumps({"meta": meta, "results": results, "session_kv": session}, indent=2) + "\n")
     print(f"saved {out}")
 
 

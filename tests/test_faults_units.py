@@ -40,11 +40,11 @@ class DyingCell(LocalCellClient):
         if self.dead:
             raise CellUnavailable(f"cell {self.cell_id} is unavailable: ActorDiedError")
 
-    def generate(self, request, stream: bool = True):
-        return self._dying(lambda: super(DyingCell, self).generate(request, stream))
+    def generate(self, request, stream: bool = True, *session):
+        return self._dying(lambda: super(DyingCell, self).generate(request, stream, *session))
 
-    def resume(self, state, stream: bool = True):
-        return self._dying(lambda: super(DyingCell, self).resume(state, stream))
+    def resume(self, state, stream: bool = True, *session):
+        return self._dying(lambda: super(DyingCell, self).resume(state, stream, *session))
 
     async def _dying(self, open_events):
         self._check()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from typing import Any
 
@@ -74,8 +75,9 @@ def test_layout_round_trip_is_bit_exact() -> None:
 class Peer:
     """One process' end of a transport, as a cell actor would hold it."""
 
-    def __init__(self, backend: str, owner: str) -> None:
-        self.transport = make_transport(backend, TransferSection(verify_checksums=True), owner=owner)
+    def __init__(self, backend: str, owner: str, timeout_s: float = 120.0) -> None:
+        section = TransferSection(verify_checksums=True, timeout_s=timeout_s)
+        self.transport = make_transport(backend, section, owner=owner)
         self.receivers: dict[str, WeightReceiver] = {}
         self.got: dict[str, Any] = {}
         self.publisher = WeightPublisher(self.transport)
@@ -94,6 +96,18 @@ class Peer:
 
     def fetch(self, ticket: Any) -> Any:
         return self.transport.fetch(ticket)
+
+    def reuse_probe(self, tickets: list[Any]) -> dict[str, Any]:
+        """Fetch tickets[0] and keep it, fetch [1] and drop it, fetch [2]: which receive buffers held them."""
+        kept = self.transport.fetch(tickets[0])
+        second = self.transport.fetch(tickets[1])
+        second_ptr, second_values = second["x"].data_ptr(), second["x"].tolist()
+        del second
+        third = self.transport.fetch(tickets[2])
+        return {
+            "kept": kept["x"].tolist(), "second": second_values, "third": third["x"].tolist(),
+            "kept_ptr": kept["x"].data_ptr(), "second_ptr": second_ptr, "third_ptr": third["x"].data_ptr(),
+        }  # fmt: skip
 
     def receive_weights(self, ticket: Any, engine: str = "main") -> int:
         """Load `ticket` into the named (stand-in) engine, through that engine's WeightReceiver."""
@@ -174,6 +188,20 @@ def test_mooncake_refuses_a_ticket_whose_buffer_was_reused() -> None:
         ray.get(cell.fetch.remote(tickets[0]))  # two staging buffers: the third stage reused the first's
 
 
+@needs_mooncake
+def test_mooncake_reuses_a_receive_buffer_only_once_nothing_views_it() -> None:
+    core, _, cell = _peers("mooncake")
+    first, second = (
+        ray.get(core.stage.remote({"x": torch.full((1000,), float(i))}, "weights", i)) for i in (1, 2)
+    )
+    probe = ray.get(cell.reuse_probe.remote([first, second, first]))
+    assert (
+        probe["kept"] == [1.0] * 1000 and probe["second"] == [2.0] * 1000 and probe["third"] == [1.0] * 1000
+    )
+    assert probe["second_ptr"] != probe["kept_ptr"]  # the first fetch's tensors are alive: another buffer
+    assert probe["third_ptr"] == probe["second_ptr"]  # the second's were dropped: its buffer is reused
+
+
 def _kill_and_wait(actor: Any, timeout_s: float = 120.0) -> None:
     """Kill `actor` and return once its process is gone (Ray reports it dead while it still exits)."""
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
@@ -200,6 +228,30 @@ def test_failed_transfer_names_cell_and_version_and_keeps_old_weights() -> None:
     assert "cell-2" in message and "weights v2" in message and "cell-9" in message
     held_version, got = ray.get(cell.held.remote("failing"))
     assert held_version == 1 and _same(got, state)
+
+
+@needs_mooncake
+def test_a_mooncake_read_from_a_stuck_sender_times_out_naming_cell_and_version() -> None:
+    sender = Peer.options(num_cpus=0).remote("mooncake", "cell-8")
+    cell = Peer.options(num_cpus=0).remote("mooncake", "cell-7", timeout_s=2.0)
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    assert ray.get(cell.receive_weights.remote(ray.get(sender.publish.remote(state, 1)))) == 1
+    ticket = ray.get(sender.publish.remote({"w": state["w"] * 2}, 2))
+    pid = ray.get(sender.__ray_call__.remote(lambda self: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)  # alive but silent: its reads hang
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(cell.receive_weights.remote(ticket), timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert isinstance(info.value.cause, TransferError)
+    message = str(info.value.cause)
+    assert message.startswith("cell-7: receiving weights v2 from cell-8") and "within 2 s" in message
+    held_version, got = ray.get(cell.held.remote())
+    assert held_version == 1 and _same(got, state)
+    assert ray.get(cell.receive_weights.remote(ticket)) == 2  # the sender is back: the next try works
+    ray.kill(sender)
+    ray.kill(cell)
 
 
 @ray.remote(num_cpus=0)

@@ -9,12 +9,16 @@ import pytest
 import ray
 import torch
 from test_elastic_invariance import ALGO, MODEL, TRAINER, make_batches, reference_update
+from test_transfer import _kill_and_wait
 
 from gyre_ray.algo.gspo import step_scale
+from gyre_ray.cells.cell import TokenBatch
 from gyre_ray.cells.dual_role import TrainerFactory
 from gyre_ray.cells.factories import ScriptedEngineFactory
 from gyre_ray.cells.pool import CellPool
-from gyre_ray.transfer import Ticket
+from gyre_ray.engines.base import GenerateRequest
+from gyre_ray.engines.testing import GREEDY
+from gyre_ray.transfer import Ticket, TransferError
 from gyre_ray.transfer.mooncake import mooncake_available
 
 MOONCAKE_OK, MOONCAKE_WHY = mooncake_available()
@@ -83,3 +87,36 @@ def test_update_through_backend_equals_the_single_trainer_reference(
         assert torch.equal(core_weights[name], sat_weights[name]), f"{name}: the satellite's copy differs"
         err = float((core_weights[name] - want).norm() / want.norm().clamp(min=1e-30))
         assert err <= 1e-6, f"{backend}: {name} differs from the reference by {err:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not MOONCAKE_OK and os.environ.get("CI") != "true", reason=f"Mooncake cannot load: {MOONCAKE_WHY}"
+)
+def test_a_weight_transfer_whose_sender_dies_names_cell_and_version_and_the_cell_keeps_serving(
+    batches: list,
+) -> None:
+    transfer = {"weights": "mooncake", "gradients": "mooncake"}
+    pool = CellPool.start(
+        2, ScriptedEngineFactory(), 0.5, prefix="t-fail", namespace="transfer-fail",
+        trainer_factory=TrainerFactory(MODEL, TRAINER, ALGO, transfer),
+    )  # fmt: skip
+    try:
+        core, cell = pool.actors.values()
+        ray.get(core.switch_to_training.remote(None, 0))
+        ray.get(core.train.remote(batches[0]))
+        ray.get(core.optimizer_step.remote(1.0))
+        ticket = ray.get(core.publish_weights.remote())
+        assert ticket.version == 1 and ticket.backend == "mooncake"
+        _kill_and_wait(core)  # the core is gone before cell-1 reads version 1
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ray.get(cell.update_weights.remote(ticket, 1))
+        assert isinstance(info.value.cause, TransferError)
+        message = str(info.value.cause)
+        assert message.startswith("cell-1: receiving weights v1 from cell-0") and "peer gone" in message
+        assert ray.get(cell.versions.remote())["engine"] == 0
+        events = ray.get(cell.generate_all.remote(GenerateRequest("after", [5, 6, 7], GREEDY)))
+        tokens = [e for batch in events if isinstance(batch, TokenBatch) for e in batch.events]
+        assert len(tokens) == GREEDY.max_new_tokens and {e.version for e in tokens} == {0}
+    finally:
+        pool.shutdown()

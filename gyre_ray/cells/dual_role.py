@@ -93,7 +93,14 @@ class DualRoleCell(RolloutCell):
         stream_interval_s: float = 0.0,
         draining: bool = False,
     ) -> None:
-        super().__init__(cell_id, engine_factory, torch_threads, stream_interval_s, draining)
+        super().__init__(
+            cell_id,
+            engine_factory,
+            torch_threads,
+            stream_interval_s,
+            transfer=trainer_factory.transfer,
+            draining=draining,
+        )
         self.trainer_factory = trainer_factory
         self.trainer: Trainer | None = None
         self.is_core = is_core  # the runtime says which cell is the core
@@ -108,6 +115,7 @@ class DualRoleCell(RolloutCell):
             else make_transport(section.gradients, section, owner=cell_id)
         )
         self._publisher = WeightPublisher(self._weights_tx)
+        self._transports.update({section.weights: self._weights_tx, section.gradients: self._grads_tx})
 
     async def setup(self) -> dict[str, Any]:
         """Build the engine and the trainer replica (heavy: both load the model); returns `status()`."""

@@ -27,13 +27,15 @@ class PolicyEngineFactory:
         from gyre_ray.model import load_policy
         from gyre_ray.model.config import ModelSection
 
-        model, tokenizer, args = load_policy(ModelSection.model_validate(self.model))
+        section = ModelSection.model_validate(self.model)
+        model, tokenizer, args = load_policy(section)
         return make_engine(
             EngineSection.model_validate(self.engine),
             model,
             args,
             version=self.version,
             stop_token_ids=tokenizer.stop_ids(),
+            model_dir=section.path,
         )
 
 

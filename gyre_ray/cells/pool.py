@@ -80,6 +80,7 @@ class CellPool:
         gpus_per_cell: float = 0.0,
         core_index: int = 0,
         strategy: str = "PACK",
+        transfer: dict[str, Any] | None = None,
     ) -> CellPool:
         """Reserve the placement group, start one cell actor per bundle and wait until every engine is built.
 
@@ -87,6 +88,7 @@ class CellPool:
         `stream_interval_s`: see `RolloutCell`.
         `trainer_factory`: start `DualRoleCell`s (rollout or training; cell `core_index` is the core).
         `strategy`: the group's placement strategy over nodes (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD).
+        `transfer`: rollout cells' `transfer` section (dumped; dual-role cells take the trainer factory's).
         """
         import ray
         from ray.util.placement_group import placement_group
@@ -98,6 +100,7 @@ class CellPool:
             "stream_interval_s": stream_interval_s,
             "core_index": core_index,
             "detached": detached,
+            "transfer": transfer,
         }
         try:
             group = placement_group(
@@ -125,18 +128,16 @@ class CellPool:
         trainer_factory = recipe["trainer_factory"]
         actor_cls = ray.remote(RolloutCell if trainer_factory is None else DualRoleCell)
         engine_factory, interval = recipe["engine_factory"], recipe["stream_interval_s"]
-        args: tuple[Any, ...] = (spec.cell_id, engine_factory, spec.torch_threads, interval, draining)
+        args: tuple[Any, ...] = (
+            spec.cell_id,
+            engine_factory,
+            spec.torch_threads,
+            interval,
+            recipe["transfer"],
+        )
         if trainer_factory is not None:
             is_core = index == recipe["core_index"]
-            args = (
-                spec.cell_id,
-                engine_factory,
-                trainer_factory,
-                spec.torch_threads,
-                is_core,
-                interval,
-                draining,
-            )
+            args = (spec.cell_id, engine_factory, trainer_factory, spec.torch_threads, is_core, interval)
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=self.groups[spec.cell_id], placement_group_bundle_index=index
         )
@@ -148,7 +149,7 @@ class CellPool:
             scheduling_strategy=strategy,
             max_concurrency=1000,
             lifetime="detached" if recipe["detached"] else None,
-        ).remote(*args)
+        ).remote(*args, draining=draining)
 
     def restart(self, cell_id: str) -> Any:
         """A new actor for a cell whose actor died: same name, same bundle, started *drained*.

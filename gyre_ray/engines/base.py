@@ -12,7 +12,7 @@ import abc
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -79,6 +79,7 @@ class TokenEvent:
     logprob: float
     version: int
     finish_reason: FinishReason | None = None
+    cached_tokens: int | None = None  # on a request's first token: prompt tokens served from cache
 
 
 @dataclass
@@ -109,8 +110,37 @@ class KVState:
     version: int = 0  # weight version that computed the oldest of these KV entries
 
 
+@dataclass
+class PrefixState:
+    """A cached prompt prefix with its KV (a waiting session's cache), moved from one engine to another."""
+
+    tokens: list[int]
+    kv: Any  # backend-specific, e.g. per-layer (k, v) CPU tensors covering `tokens`
+    version: int = 0  # weight version that computed this KV
+
+
 class RolloutEngine(abc.ABC):
-    """Token-level generation with continuous batching, prefix caching and KV migration."""
+    """Token-level generation with continuous batching, prefix caching and KV migration.
+
+    `kv_export` declares whether `export_kv` carries the request's KV tensors. An engine without
+    (SGLang) returns a state with `kv=None`; `import_kv` of such a state re-prefills prompt + output.
+
+    Optional: `export_prefix` / `import_prefix` move a waiting session's cached prefix between
+    engines. A backend that can declares `supports_prefix_export = True`; the defaults export
+    nothing and import nothing, so a moved session's next call re-prefills its prompt.
+    """
+
+    supports_prefix_export: ClassVar[bool] = False
+
+    async def export_prefix(self, tokens: list[int]) -> PrefixState | None:
+        """The longest cached prefix of `tokens` with its KV (None: nothing cached, or not supported)."""
+        return None
+
+    async def import_prefix(self, state: PrefixState) -> int:
+        """Add another engine's exported prefix to this cache; tokens added (0: unsupported or stale)."""
+        return 0
+
+    kv_export: ClassVar[bool] = True
 
     @abc.abstractmethod
     async def generate(self, request: GenerateRequest) -> GenerateResult:

@@ -9,6 +9,50 @@ from pydantic import Field
 from gyre_ray.configbase import Section
 
 
+class SGLangOptions(Section):
+    """The SGLang engine (`engine.backend=sglang`): one SGLang server per cell, driven over HTTP."""
+
+    url: str | None = Field(
+        None,
+        description="Base URL of an SGLang server to use (e.g. http://10.0.0.5:30000); unset: the cell "
+        "starts its own server on the GPUs of its bundle and stops it with the cell.",
+    )
+    tp_size: int = Field(
+        0, ge=0, description="Tensor-parallel size of the started server; 0 = every GPU of the cell's bundle."
+    )
+    mem_fraction_static: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Share of GPU memory SGLang takes for weights and KV (--mem-fraction-static).",
+    )
+    memory_saver: bool = Field(
+        True,
+        description="Start with --enable-memory-saver so release/resume free and re-take GPU memory "
+        "around training.",
+    )
+    weight_sync: Literal["disk", "tensor"] = Field(
+        "disk",
+        description="How update_weights(state_dict) reaches the server: 'disk' writes a safetensors folder and "
+        "calls /update_weights_from_disk; 'tensor' calls /update_weights_from_tensor (same host only). "
+        "NCCL broadcast from the trainer goes through init_weights_group / update_weights_from_distributed.",
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for a started server to be healthy."
+    )
+    request_timeout_s: float = Field(
+        3600.0, gt=0, description="Longest a single HTTP call to the server may take (generation included)."
+    )
+    connect_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait to connect to the server; past it the call fails naming the cell.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="More command-line arguments for sglang.launch_server."
+    )
+
+
 class EngineSection(Section):
     """Rollout engine settings shared by all backends."""
 
@@ -28,3 +72,4 @@ class EngineSection(Section):
         ge=0,
         description="Torch intra-op threads for the torch engine (process-wide); 0 leaves torch's default.",
     )
+    sglang: SGLangOptions = Field(default_factory=SGLangOptions, description="SGLang engine options.")

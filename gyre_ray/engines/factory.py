@@ -14,11 +14,13 @@ from gyre_ray.model.arch import ModelArgs
 def make_engine(
     section: EngineSection, model: torch.nn.Module, args: ModelArgs, *, version: int = 0, **options: Any
 ) -> RolloutEngine:
-    """An engine for `section.backend`: "torch" here; "sglang" is not available yet.
+    """An engine for `section.backend`: "torch" (in this process) or "sglang" (a server per cell, GPU).
 
-    `options` go to the backend's constructor (e.g. `stop_token_ids`, `free_weights_on_release`).
+    `options` go to the backend (e.g. `stop_token_ids`; torch: `free_weights_on_release`; sglang:
+    `model_dir`, the HF folder its server loads, see `gyre_ray.engines.sglang.launch_engine`).
     """
     if section.backend == "torch":
+        options.pop("model_dir", None)
         from gyre_ray.engines.torch_engine import TorchEngine
 
         return TorchEngine(
@@ -32,7 +34,7 @@ def make_engine(
             **options,
         )
     if section.backend == "sglang":
-        raise NotImplementedError(
-            "engine.backend='sglang': the SGLang adapter is not available yet; use engine.backend=torch"
-        )
+        from gyre_ray.engines.sglang import launch_engine
+
+        return launch_engine(section, model, args, version=version, **options)
     raise ValueError(f"unknown engine.backend {section.backend!r}; allowed: torch, sglang")

@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from gyre_ray.engines.base import ABORT_TOKEN_ID, GenerateResult, KVState, TokenEvent, UnknownRequestError
+from gyre_ray.engines.base import (
+    ABORT_TOKEN_ID,
+    GenerateResult,
+    KVState,
+    PrefixState,
+    TokenEvent,
+    UnknownRequestError,
+)
 from gyre_ray.engines.decode_batch import DecodeBatch
 from gyre_ray.engines.prefix_cache import PrefixCache
 from gyre_ray.engines.requests import ActiveRequest, Outbox
@@ -113,6 +120,23 @@ class Scheduler:
         )
         self._end(req, "exported", aborted=True)
         return state
+
+    def export_prefix(self, tokens: list[int]) -> PrefixState | None:
+        """The longest cached prefix of `tokens` and its KV as CPU tensors (None when nothing is cached)."""
+        hit, cache = self.prefix.match(tokens)
+        if cache is None:
+            return None
+        self.stats["prefix_exported_tokens"] += hit
+        return PrefixState(list(tokens[:hit]), cache.to_state(), self.version)
+
+    def import_prefix(self, tokens: list[int], cache: KVCache, version: int) -> int:
+        """Store another engine's prefix KV in the prefix cache; tokens added (0 when it predates our weights)."""
+        if version != self.version:
+            self.stats["prefix_imports_stale"] += 1
+            return 0
+        added = self.prefix.insert(tokens, cache, owned=True)
+        self.stats["prefix_imported_tokens"] += added
+        return added
 
     def abort_all(self) -> None:
         for req in list(self.waiting) + [r for b in self.batches for r in b.rows]:
@@ -263,7 +287,8 @@ class Scheduler:
         for req, token, logprob in zip(rows, tokens, logprobs, strict=True):
             self._cache_prefix(req, req.cache)
             self.stats["decode_tokens"] += 1
-            events[req.rid] = req.add_token(token, logprob, self.version)
+            events[req.rid] = event = req.add_token(token, logprob, self.version)
+            event.cached_tokens = min(req.cached_tokens, len(req.input_ids))
         return events
 
     def _join(self, req: ActiveRequest) -> None:

@@ -31,6 +31,7 @@ from gyre_ray.engines.base import (
     GenerateRequest,
     GenerateResult,
     KVState,
+    PrefixState,
     RolloutEngine,
     TokenEvent,
 )
@@ -55,6 +56,9 @@ _COUNTERS = (
     "decode_tokens",
     "decode_steps",
     "weight_updates",
+    "prefix_exported_tokens",
+    "prefix_imported_tokens",
+    "prefix_imports_stale",
 )
 _LIVE_ENGINES: weakref.WeakSet[TorchEngine] = weakref.WeakSet()  # shut down at exit
 
@@ -68,6 +72,8 @@ def _shutdown_live_engines() -> None:
 
 class TorchEngine(RolloutEngine):
     """`RolloutEngine` over a gyre-ray `Qwen3ForCausalLM` held in this process."""
+
+    supports_prefix_export = True
 
     def __init__(
         self,
@@ -151,6 +157,19 @@ class TorchEngine(RolloutEngine):
         req = self._submit_import(state)
         async for event in self._events(req):
             yield event
+
+    async def export_prefix(self, tokens: list[int]) -> PrefixState | None:
+        ids = check_token_ids(tokens, self.args.vocab_size, "tokens")
+        return await asyncio.wrap_future(self._command("export_prefix", ids))
+
+    async def import_prefix(self, state: PrefixState) -> int:
+        ids = check_token_ids(state.tokens, self.args.vocab_size, "PrefixState.tokens")
+        cache = self._check_kv(state.kv, len(ids))
+        if cache.length != len(ids):
+            raise EngineInputError(f"PrefixState.kv covers {cache.length} tokens, its tokens are {len(ids)}")
+        if not ids:
+            return 0
+        return await asyncio.wrap_future(self._command("import_prefix", (ids, cache, state.version)))
 
     async def update_weights(self, state_dict: dict[str, Any], version: int) -> None:
         if isinstance(version, bool) or not isinstance(version, int):
@@ -248,13 +267,13 @@ class TorchEngine(RolloutEngine):
         req.output_versions = list(state.output_versions)
         if len(outputs) >= state.sampling.max_new_tokens or (outputs and outputs[-1] in req.stop_ids):
             raise EngineInputError(f"request {state.rid!r} has already finished; nothing to continue")
-        req.cache = self._check_kv(state.kv, req)
+        req.cache = self._check_kv(state.kv, req.kv_target)
         req.cached_tokens = req.cache.length
         req.prefix_looked_up = req.cache.length > 0
         req.kv_version = state.version if req.cache.length else None
         return self._register(req, "imported", 0, imported_tokens=req.cache.length)
 
-    def _check_kv(self, kv: Any, req: ActiveRequest) -> KVCache:
+    def _check_kv(self, kv: Any, limit: int) -> KVCache:
         """The imported KV as a cache of this model's layout, or EngineInputError saying what differs."""
         if not kv:
             return KVCache()
@@ -270,10 +289,8 @@ class TorchEngine(RolloutEngine):
             raise EngineInputError(
                 f"KVState.kv has (layers, rows, kv_heads, head_dim) {got}; this model needs {want}"
             )
-        if cache.length > req.kv_target:
-            raise EngineInputError(
-                f"KVState.kv covers {cache.length} tokens but the request has {req.kv_target}"
-            )
+        if cache.length > limit:
+            raise EngineInputError(f"KVState.kv covers {cache.length} tokens but the request has {limit}")
         return cache
 
     async def _events(self, req: ActiveRequest) -> AsyncIterator[TokenEvent]:
@@ -336,6 +353,10 @@ class TorchEngine(RolloutEngine):
                 result = scheduler.abort(payload)
             elif kind == "export":
                 result = scheduler.export(payload)
+            elif kind == "export_prefix":
+                result = scheduler.export_prefix(payload)
+            elif kind == "import_prefix":
+                result = 0 if self._released else scheduler.import_prefix(*payload)
             elif kind == "update_weights":
                 state_dict, version = payload
                 self._weights.load(state_dict)

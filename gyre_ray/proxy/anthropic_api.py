@@ -38,10 +38,17 @@ def _error_event(exc: ApiError) -> str:
 
 def _usage(outcome: Outcome) -> dict[str, int]:
     return {
-        "input_tokens": outcome.prompt_tokens,
+        **_input_usage(outcome.prompt_tokens, outcome.cached_tokens),
         "output_tokens": outcome.completion_tokens,
+    }
+
+
+def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's split of the prompt: `input_tokens` excludes what was read from the cache."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
     }
 
 
@@ -68,7 +75,7 @@ async def messages(service: Any, execution_id: str, body: Any, headers: dict[str
         "model": req.model,
     }
     if req.stream:
-        return sse(_stream(gen, message, len(call.input_ids)), gen, slot, _error_event)
+        return sse(_stream(gen, message), gen, slot, _error_event)
     outcome = await complete(gen, slot)
     content: list[dict[str, Any]] = []
     if outcome.content or not outcome.tool_calls:
@@ -87,13 +94,9 @@ async def messages(service: Any, execution_id: str, body: Any, headers: dict[str
     )
 
 
-async def _stream(gen: Generation, message: dict[str, Any], prompt_tokens: int) -> AsyncIterator[str]:
-    start_usage = {
-        "input_tokens": prompt_tokens,
-        "output_tokens": 0,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
-    }
+async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str]:
+    run = gen.run  # its first tokens are in: the cache hit is known
+    start_usage = {**_input_usage(len(run.call.input_ids), run.cached_tokens), "output_tokens": 0}
     yield _event(
         "message_start",
         {

@@ -2,7 +2,10 @@
 
 `CallRun.tokens()` yields batches of new output ids. When the serving cell is drained it ends the
 stream with the request's exported KV state; the run then asks the router for another cell and
-resumes there (`resume(state)`), so the caller sees one uninterrupted stream. A cell that refuses
+resumes there (`resume(state)`), so the caller sees one uninterrupted stream. When a call's execution
+is re-pinned away from the cell that served its last call (drained), the run first takes that cell's
+staged copy of the session's cached prefix (`take_session`) and hands it to the new cell with the
+request, so the prompt hits the prefix cache there. A cell that refuses
 new work (draining) is skipped before anything was generated. A cell that dies (its actor is gone:
 `CellUnavailable`) is marked drained in this replica's router and the call goes on elsewhere from
 its recorded tokens: prompt + the output generated so far is prefilled again on the next cell (its KV
@@ -80,6 +83,8 @@ class CallRun:
         self.cells: list[str] = []
         self.migrations = 0
         self.reprefills = 0  # continuations from recorded output on another cell after a cell died
+        self.cached_tokens = 0  # prompt tokens the first cell served from its prefix cache
+        self._cached_known = False
         self.engine_seconds = 0.0  # time the call spent inside cells (as they measured it)
         self.t_start = time.time()
         self.t_end: float | None = None
@@ -93,7 +98,12 @@ class CallRun:
         exclude: set[str] = set()
         try:
             for _ in range(MAX_HOPS):
-                cell_id = await self.service.choose_cell(self.call.execution_id, exclude)
+                execution_id = self.call.execution_id
+                pinned = self.service.router.affinity.get(execution_id)
+                cell_id = await self.service.choose_cell(execution_id, exclude)
+                prefix = None
+                if state is None and pinned is not None and pinned != cell_id:  # the session moves
+                    prefix = await self.service.take_session(pinned, execution_id)
                 client = self.service.cells[cell_id]
                 self.current_cell = cell_id
                 self._abort = None
@@ -109,9 +119,9 @@ class CallRun:
                             done = True
                             self.finish_reason = "length"
                             return
-                        stream = client.generate(request, self.stream)
+                        stream = client.generate(request, self.stream, execution_id, prefix)
                     else:
-                        stream = client.resume(state, self.stream)
+                        stream = client.resume(state, self.stream, execution_id)
                     while True:
                         event = await self._next_event(stream)
                         if event is None:
@@ -229,6 +239,9 @@ class CallRun:
     def _take(self, batch: TokenBatch) -> list[int]:
         new: list[int] = []
         for event in batch.events:
+            cached = getattr(event, "cached_tokens", None)
+            if cached is not None and not self._cached_known:
+                self.cached_tokens, self._cached_known = int(cached), True
             if event.token_id >= 0 and self.finish_reason is None:
                 self.output_ids.append(event.token_id)
                 self.output_logprobs.append(float(event.logprob))

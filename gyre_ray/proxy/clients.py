@@ -18,6 +18,7 @@ from typing import Any
 
 from gyre_ray.cells.cell import CellEvent, RolloutCell
 from gyre_ray.engines.base import GenerateRequest, KVState
+from gyre_ray.transfer import Ticket
 
 
 class CellUnavailable(Exception):
@@ -36,11 +37,27 @@ class LocalCellClient:
         self.cell = cell
         self.cell_id = cell.cell_id
 
-    def generate(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[CellEvent]:
-        return self.cell.generate(request) if stream else _replay(self.cell.generate_all(request))
+    def generate(
+        self,
+        request: GenerateRequest,
+        stream: bool = True,
+        session: str | None = None,
+        prefix: Ticket | None = None,
+    ) -> AsyncIterator[CellEvent]:
+        if stream:
+            return self.cell.generate(request, session, prefix)
+        return _replay(self.cell.generate_all(request, session, prefix))
 
-    def resume(self, state: KVState, stream: bool = True) -> AsyncIterator[CellEvent]:
-        return self.cell.resume(state) if stream else _replay(self.cell.resume_all(state))
+    def resume(
+        self, state: KVState, stream: bool = True, session: str | None = None
+    ) -> AsyncIterator[CellEvent]:
+        return self.cell.resume(state, session) if stream else _replay(self.cell.resume_all(state, session))
+
+    async def take_session(self, session: str) -> Ticket | None:
+        return await self.cell.take_session(session)
+
+    async def forget_session(self, session: str) -> None:
+        await self.cell.forget_session(session)
 
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
         return await self.cell.abort(rid, wait_s)
@@ -95,28 +112,42 @@ class RayCellClient:
         except RayActorError as exc:
             raise self._lost(exc) from None
 
-    async def _iterate(self, method: str, arg: Any) -> AsyncIterator[CellEvent]:
+    async def _iterate(self, method: str, *args: Any) -> AsyncIterator[CellEvent]:
         from ray.exceptions import RayActorError
 
         try:
-            async for ref in getattr(self._handle(), method).remote(arg):
+            async for ref in getattr(self._handle(), method).remote(*args):
                 yield await ref
         except RayActorError as exc:
             raise self._lost(exc) from None
 
-    async def _replay_remote(self, method: str, arg: Any) -> AsyncIterator[CellEvent]:
-        for event in await self._call(method, arg):
+    async def _replay_remote(self, method: str, *args: Any) -> AsyncIterator[CellEvent]:
+        for event in await self._call(method, *args):
             yield event
 
-    def generate(self, request: GenerateRequest, stream: bool = True) -> AsyncIterator[CellEvent]:
+    def generate(
+        self,
+        request: GenerateRequest,
+        stream: bool = True,
+        session: str | None = None,
+        prefix: Ticket | None = None,
+    ) -> AsyncIterator[CellEvent]:
         if not stream:
-            return self._replay_remote("generate_all", request)
-        return self._iterate("generate", request)
+            return self._replay_remote("generate_all", request, session, prefix)
+        return self._iterate("generate", request, session, prefix)
 
-    def resume(self, state: KVState, stream: bool = True) -> AsyncIterator[CellEvent]:
+    def resume(
+        self, state: KVState, stream: bool = True, session: str | None = None
+    ) -> AsyncIterator[CellEvent]:
         if not stream:
-            return self._replay_remote("resume_all", state)
-        return self._iterate("resume", state)
+            return self._replay_remote("resume_all", state, session)
+        return self._iterate("resume", state, session)
+
+    async def take_session(self, session: str) -> Ticket | None:
+        return await self._call("take_session", session)
+
+    async def forget_session(self, session: str) -> None:
+        await self._call("forget_session", session)
 
     async def abort(self, rid: str, wait_s: float = 0.0) -> bool:
         return await self._call("abort", rid, wait_s)

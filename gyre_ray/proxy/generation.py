@@ -43,6 +43,7 @@ class Outcome:
     stop_string: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
 
 
 class Generation:
@@ -133,6 +134,7 @@ class Generation:
             stop_string=text.stop_string,
             prompt_tokens=len(run.call.input_ids),
             completion_tokens=len(run.output_ids),
+            cached_tokens=run.cached_tokens,
         )
         splice = None
         if finish != "stop_string" and finish != "abort":

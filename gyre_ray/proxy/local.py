@@ -43,10 +43,15 @@ async def build_local_proxy(
     num_cells: int = 2,
     section: ProxySection | None = None,
     admin_token: str | None = None,
+    transfer: dict[str, Any] | None = None,
 ) -> LocalProxy:
-    """Cells built in-process (their engines set up), an in-memory store and the FastAPI app."""
+    """Cells built in-process (their engines set up), an in-memory store and the FastAPI app.
+
+    `transfer`: the cells' `transfer` section (dumped; how drained sessions' KV moves)."""
     section = section or ProxySection()
-    cells = {f"cell-{i}": RolloutCell(f"cell-{i}", engine_factory) for i in range(num_cells)}
+    cells = {
+        f"cell-{i}": RolloutCell(f"cell-{i}", engine_factory, transfer=transfer) for i in range(num_cells)
+    }
     for cell in cells.values():
         await cell.setup()
     store = TrajectoryStore(records_dir, section.store_max_records)

@@ -36,11 +36,12 @@ def _error_event(exc: ApiError) -> str:
     return _data(error_body("openai", exc.status, exc.message, exc.param)) + "data: [DONE]\n\n"
 
 
-def _usage(outcome: Outcome) -> dict[str, int]:
+def _usage(outcome: Outcome) -> dict[str, Any]:
     return {
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
     }
 
 

@@ -31,7 +31,7 @@ from gyre_ray.proxy.roles import codex_role
 def _usage(outcome: Outcome) -> dict[str, Any]:
     return {
         "input_tokens": outcome.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
         "output_tokens": outcome.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,

@@ -30,6 +30,7 @@ from gyre_ray.trajectory.records import CallRecord
 SPLICE_CACHE_PER_EXECUTION = 1024
 RECORD_BATCH_MAX = 256  # pending records handed to the store in one call at most
 KEY_CACHE = 100_000  # API keys this replica remembers (least recently used dropped first)
+SESSION_TAKE_TIMEOUT_S = 5.0  # how long a re-routed call waits for its old cell's staged prefix
 
 
 class _Slot:
@@ -85,6 +86,7 @@ class ProxyService:
             "client_aborts": 0,
             "record_batches": 0,
             "cell_failures": 0,
+            "session_moves": 0,
         }
 
     # ---- auth ---------------------------------------------------------------------------------
@@ -131,7 +133,13 @@ class ProxyService:
             path = await self.store_read("finish_execution", execution_id)
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
+        pinned = self.router.affinity.get(execution_id)
         self.router.forget(execution_id)
+        if pinned is not None and hasattr(self.cells.get(pinned), "forget_session"):
+            with contextlib.suppress(Exception):  # the cell only stops keeping the session for a drain
+                await asyncio.wait_for(
+                    self.cells[pinned].forget_session(execution_id), SESSION_TAKE_TIMEOUT_S
+                )
         self._splices.pop(execution_id, None)
         self._main_system.pop(execution_id, None)
         return path
@@ -340,6 +348,19 @@ class ProxyService:
                     503, "no rollout cell is available to serve the call (all are drained or failed)"
                 )
             await asyncio.sleep(0.02)
+
+    async def take_session(self, cell_id: str, execution_id: str) -> Any:
+        """The session prefix `cell_id` staged for `execution_id` when it drained (None: none, or no answer)."""
+        client = self.cells.get(cell_id)
+        if client is None or not hasattr(client, "take_session"):
+            return None
+        try:
+            ticket = await asyncio.wait_for(client.take_session(execution_id), SESSION_TAKE_TIMEOUT_S)
+        except Exception:  # the old cell is gone or slow: the call re-prefills on its new cell
+            return None
+        if ticket is not None:
+            self.counters["session_moves"] += 1
+        return ticket
 
     def start(self, call: PreparedCall, sampling: Any, stream: bool = True) -> CallRun:
         """A call ready to run; `stream=False` when its tokens are only needed at the end."""

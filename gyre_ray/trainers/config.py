@@ -26,6 +26,12 @@ class TrainerSection(Section):
         description="Megatron backend: tensor-parallel ranks per trainer replica (gloo on CPU, NCCL on GPU); "
         "must divide heads, KV heads, intermediate size and vocabulary.",
     )
+    tensor_parallel_workers: Literal["auto", "ray", "process"] = Field(
+        "auto",
+        description="Megatron backend, tensor parallel > 1: where the ranks run: 'ray' (one Ray actor per rank "
+        "in the caller's placement group), 'process' (spawned child processes), 'auto' (ray inside a Ray "
+        "worker such as a cell actor, else process).",
+    )
     megatron_spec: Literal["auto", "local", "te"] = Field(
         "auto",
         description="Megatron backend layer spec: local (Megatron's own modules, runs on CPU), te "

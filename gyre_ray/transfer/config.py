@@ -31,6 +31,12 @@ class MooncakeOptions(Section):
         description="Registered send buffers reused round-robin across versions (2: version v stays "
         "readable while v+1 is staged).",
     )
+    receive_buffers: int = Field(
+        2,
+        ge=0,
+        description="Registered, pre-touched receive buffers reused across fetches (each once nothing "
+        "returned from its last fetch is alive); 0: a fresh buffer per fetch.",
+    )
 
 
 class CollectiveOptions(Section):
@@ -50,6 +56,11 @@ class TransferSection(Section):
     kv: Literal["object_store", "mooncake"] = Field(
         "object_store",
         description="Backend moving a request's or a waiting session's KV state between cells.",
+    )
+    migrate_sessions: bool = Field(
+        True,
+        description="When a cell drains, move the cached prompt prefix of each session it served (agents "
+        "waiting between calls) to the cell its next call goes to; off: that call re-prefills its prompt.",
     )
     verify_checksums: bool = Field(
         False, description="CRC-32 every tensor on both ends and fail a transfer whose bytes differ."

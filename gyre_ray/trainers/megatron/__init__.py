@@ -1,9 +1,11 @@
 """The Megatron-core trainer backend (`trainer.backend=megatron`).
 
-`make_megatron_trainer` returns a `Trainer`: `MegatronTrainer` in this process for tensor parallel 1,
-`TensorParallelTrainer` (one spawned process per rank, gloo or NCCL between them) for more. Modules:
-`convert` (HF <-> Megatron names and tensor-parallel shards, pure tensors), `build` (process groups,
-`GPTModel` from `ModelArgs`), `cpu_shims` (the two CPU shims), `trainer`, `tensor_parallel`.
+`make_megatron_trainer` returns a `Trainer`: `MegatronTrainer` in this process for tensor parallel 1;
+for more, `RayTensorParallelTrainer` (one Ray actor per rank in the caller's placement group) inside
+a Ray worker such as a cell actor, else `TensorParallelTrainer` (one spawned process per rank);
+gloo or NCCL between the ranks (`trainer.tensor_parallel_workers` chooses). Modules: `convert` (HF <->
+Megatron names and tensor-parallel shards, pure tensors), `build` (process groups, `GPTModel` from
+`ModelArgs`), `cpu_shims` (the two CPU shims), `trainer`, `tensor_parallel`, `ray_ranks`.
 Imports are lazy: megatron-core loads only when a Megatron trainer is built.
 """
 
@@ -35,6 +37,16 @@ def make_megatron_trainer(
         from gyre_ray.trainers.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(hf_state, args, section, loss_fn, version=version)
+    from gyre_ray.trainers.megatron.ray_ranks import default_threads, inside_ray_worker
+
+    workers = section.tensor_parallel_workers
+    if workers == "ray" or (workers == "auto" and inside_ray_worker()):
+        from gyre_ray.trainers.megatron.ray_ranks import RayTensorParallelTrainer
+
+        threads = default_threads(section.tensor_parallel_size)
+        return RayTensorParallelTrainer(
+            hf_state, args, section, loss_fn, version=version, threads_per_rank=threads
+        )
     from gyre_ray.trainers.megatron.tensor_parallel import TensorParallelTrainer
 
     return TensorParallelTrainer(hf_state, args, section, loss_fn, version=version)

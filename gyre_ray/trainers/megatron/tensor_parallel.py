@@ -48,23 +48,41 @@ def _dump_loss(loss_fn: LossFn) -> bytes:
         return cloudpickle.dumps(loss_fn)
 
 
+def rank_init(
+    hf_state: dict[str, torch.Tensor], args: ModelArgs, section: TrainerSection, loss_fn: LossFn, version: int
+) -> dict[str, Any]:
+    """What every rank needs to build its trainer (picklable: the loss travels cloudpickled)."""
+    return {
+        "hf_state": {k: v.detach().cpu().contiguous() for k, v in hf_state.items()},
+        "args": args,
+        "section": section.model_dump(),
+        "loss": _dump_loss(loss_fn),
+        "version": version,
+    }
+
+
+def build_rank(rank: int, host: str, port: int, init: dict[str, Any], threads: int) -> Any:
+    """This process' `MegatronTrainer` as `rank`, joined to the world served by the TCP store at host:port."""
+    from gyre_ray.trainers.megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(threads)
+    section = TrainerSection.model_validate(init["section"])
+    store = dist.TCPStore(host, port, world_size=section.tensor_parallel_size, is_master=False)
+    return MegatronTrainer(
+        init["hf_state"],
+        init["args"],
+        section,
+        pickle.loads(init["loss"]) if isinstance(init["loss"], bytes) else init["loss"],
+        version=init["version"],
+        rank=rank,
+        store=store,
+    )
+
+
 def _rank_main(conn: Connection, rank: int, port: int, init: dict[str, Any], threads: int) -> None:
     """A rank's process: build its trainer, then run the calls that arrive until "close"."""
-    torch.set_num_threads(threads)
     try:
-        from gyre_ray.trainers.megatron.trainer import MegatronTrainer
-
-        section = TrainerSection.model_validate(init["section"])
-        store = dist.TCPStore(HOST, port, world_size=section.tensor_parallel_size, is_master=False)
-        trainer = MegatronTrainer(
-            init["hf_state"],
-            init["args"],
-            section,
-            pickle.loads(init["loss"]),
-            version=init["version"],
-            rank=rank,
-            store=store,
-        )
+        trainer = build_rank(rank, HOST, port, init, threads)
         conn.send(("ok", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -97,7 +115,61 @@ def _stop(processes: list[Any], conns: list[Connection]) -> None:
             proc.join(timeout=5)
 
 
-class TensorParallelTrainer(Trainer):
+class RankDrivenTrainer(Trainer):
+    """The `Trainer` interface over tensor-parallel ranks: every call goes to all of them (`_call`),
+    rank 0's answer comes back. Subclasses own the ranks (processes here, Ray actors in `ray_ranks`)."""
+
+    args: ModelArgs
+    section: TrainerSection
+
+    def _call(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the Trainer interface
+    def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
+        return self._call("forward_backward", batch)
+
+    def compute_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        return self._call("compute_logprobs", batch)
+
+    def export_grads(self) -> dict[str, torch.Tensor]:
+        return self._call("export_grads")
+
+    def import_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        self._call("import_grads", grads)
+
+    def zero_grads(self) -> None:
+        self._call("zero_grads")
+
+    def optimizer_step(self, scale: float) -> dict[str, float]:
+        metrics = self._call("optimizer_step", scale)
+        self.step, self.version = int(metrics["step"]), int(metrics["version"])
+        return metrics
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self._call("load_state_dict", state, version)
+        self.version = version
+
+    def save(self, folder: str | Path) -> Path:
+        return self._call("save", str(folder))
+
+    def load(self, folder: str | Path) -> None:
+        self._call("load", str(folder))
+        meta = self._call("metadata")
+        self.step, self.version = int(meta["step"]), int(meta["version"])
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            **super().metadata(),
+            "backend": "megatron",
+            "tensor_parallel_size": self.section.tensor_parallel_size,
+        }
+
+
+class TensorParallelTrainer(RankDrivenTrainer):
     """`section.tensor_parallel_size` Megatron ranks in child processes, driven as one trainer."""
 
     def __init__(
@@ -113,13 +185,7 @@ class TensorParallelTrainer(Trainer):
         self.args, self.section, self.timeout_s = args, section, timeout_s
         tp = section.tensor_parallel_size
         self._store = dist.TCPStore(HOST, 0, world_size=tp, is_master=True, wait_for_workers=False)
-        init = {
-            "hf_state": {k: v.detach().cpu().contiguous() for k, v in hf_state.items()},
-            "args": args,
-            "section": section.model_dump(),
-            "loss": _dump_loss(loss_fn),
-            "version": version,
-        }
+        init = rank_init(hf_state, args, section, loss_fn, version)
         threads = max(1, (os.cpu_count() or 1) // tp)
         ctx = mp.get_context("spawn")
         self._conns, self._processes = [], []
@@ -164,42 +230,3 @@ class TensorParallelTrainer(Trainer):
         for conn in self._conns:
             conn.send((method, args))
         return self._collect(method)
-
-    # ------------------------------------------------------------------ the Trainer interface
-    def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
-        return self._call("forward_backward", batch)
-
-    def compute_logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        return self._call("compute_logprobs", batch)
-
-    def export_grads(self) -> dict[str, torch.Tensor]:
-        return self._call("export_grads")
-
-    def import_grads(self, grads: dict[str, torch.Tensor]) -> None:
-        self._call("import_grads", grads)
-
-    def zero_grads(self) -> None:
-        self._call("zero_grads")
-
-    def optimizer_step(self, scale: float) -> dict[str, float]:
-        metrics = self._call("optimizer_step", scale)
-        self.step, self.version = int(metrics["step"]), int(metrics["version"])
-        return metrics
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._call("state_dict")
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self._call("load_state_dict", state, version)
-        self.version = version
-
-    def save(self, folder: str | Path) -> Path:
-        return self._call("save", str(folder))
-
-    def load(self, folder: str | Path) -> None:
-        self._call("load", str(folder))
-        meta = self._call("metadata")
-        self.step, self.version = int(meta["step"]), int(meta["version"])
-
-    def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "backend": "megatron", "tensor_parallel_size": len(self._conns)}

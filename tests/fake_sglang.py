@@ -1,0 +1,296 @@
+"""Test-only: an HTTP server speaking SGLang's native API, backed by a torch engine over the tiny model.
+
+It answers the routes `gyre_ray.engines.sglang` uses with SGLang's JSON shapes (read from SGLang's
+`http_server.py` / `io_struct.py`): `/generate` (token ids in, `output_ids` and
+`meta_info.output_token_logprobs` triples out, streamed as `data:` lines ending in `[DONE]`,
+cumulative by default or as deltas with `incremental=True`), `/abort_request`, `/flush_cache`
+(refused with 400 while requests run, as SGLang does), `/release_memory_occupation` and
+`/resume_memory_occupation` (refused while requests run), `/update_weights_from_disk`,
+`/update_weights_from_tensor` (payload: base64 of `torch.save`, this fake's own encoding),
+`/init_weights_update_group` + `/update_weights_from_distributed` (a real gloo broadcast from rank
+0, the group built by `weight_sync.open_group`, the recipe of SGLang's own side), `/health_generate`
+and `/get_server_info`. Like SGLang it stops at the model's eos unless `ignore_eos`.
+Knobs for failure tests: `hang_generate` (generate never answers), `close()` (the server is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gyre_ray.engines.base import EngineInputError, GenerateRequest, SamplingParams, TokenEvent
+from gyre_ray.engines.sglang.weight_sync import open_group
+from gyre_ray.engines.torch_engine import TorchEngine
+from gyre_ray.model.checkpoint import read_hf_weights
+
+
+def encode_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """This fake's `serialized_named_tensors` entry (real SGLang uses its MultiprocessingSerializer)."""
+    buffer = io.BytesIO()
+    torch.save(dict(named), buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+class FakeSGLang:
+    """The fake server on a free loopback port; `url`, `calls` (route, body) and knobs."""
+
+    def __init__(self, engine: TorchEngine, incremental: bool = False) -> None:
+        import uvicorn
+
+        self.engine = engine
+        self.args = engine.args
+        self.incremental = incremental
+        self.state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        self.weight_version = "0"
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.hang_generate = False
+        self.flushes = 0
+        self.released_tags: list[Any] = []
+        self.groups: dict[str, Any] = {}
+        self.running: set[str] = set()
+        self.app = self._build_app()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the fake SGLang server did not start"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.hang_generate = False
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def routes(self) -> list[str]:
+        return [route for route, _ in self.calls]
+
+    # ---- translation ----------------------------------------------------------------------------
+    def _request(self, body: dict[str, Any]) -> GenerateRequest:
+        params = body.get("sampling_params") or {}
+        stops = list(params.get("stop_token_ids") or [])
+        if not params.get("ignore_eos") and self.args.eos_token_id is not None:
+            stops.append(self.args.eos_token_id)
+        sampling = SamplingParams(
+            temperature=params.get("temperature", 1.0),
+            top_p=params.get("top_p", 1.0),
+            max_new_tokens=params.get("max_new_tokens", 128),
+            stop_token_ids=stops,
+            seed=params.get("sampling_seed"),
+        )
+        return GenerateRequest(body.get("rid") or f"fake-{time.monotonic_ns()}", body["input_ids"], sampling)
+
+    def _chunk(self, request: GenerateRequest, tokens: list[TokenEvent], start: int, reason: Any) -> dict:
+        shown = tokens[start:] if self.incremental else tokens
+        meta = {
+            "id": request.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": len(tokens),
+            "cached_tokens": 0,
+            "output_token_logprobs": [[t.logprob, t.token_id, None] for t in shown],
+            "weight_version": self.weight_version,
+            "weight_versions": self._spans(tokens),
+        }
+        return {"output_ids": [t.token_id for t in shown], "meta_info": meta}
+
+    @staticmethod
+    def _spans(tokens: list[TokenEvent]) -> list[dict[str, Any]]:
+        """SGLang 0.5.23's per-token version spans: runs of tokens made by one weight version."""
+        spans: list[dict[str, Any]] = []
+        for index, token in enumerate(tokens):
+            if spans and spans[-1]["version"] == str(token.version):
+                spans[-1]["end"] = index + 1
+            else:
+                spans.append({"version": str(token.version), "start": index, "end": index + 1})
+        return spans
+
+    @staticmethod
+    def _reason(event: TokenEvent, request: GenerateRequest) -> dict[str, Any] | None:
+        if event.finish_reason == "stop":
+            return {"type": "stop", "matched": event.token_id}
+        if event.finish_reason == "length":
+            return {"type": "length", "length": request.sampling.max_new_tokens}
+        if event.finish_reason == "abort":
+            return {"type": "abort", "message": "Abort in waiting queue or running batch"}
+        return None
+
+    async def _generate_chunks(self, request: GenerateRequest):
+        tokens: list[TokenEvent] = []
+        self.running.add(request.rid)
+        try:
+            async for event in self.engine.stream(request):
+                start = len(tokens)
+                if event.token_id >= 0:
+                    tokens.append(event)
+                yield self._chunk(request, tokens, start, self._reason(event, request))
+        finally:
+            self.running.discard(request.rid)
+
+    # ---- the app --------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:  # noqa: C901 - one route per SGLang endpoint
+        app = FastAPI()
+        fake = self
+
+        @app.post("/generate")
+        async def generate(raw: Request) -> Any:
+            body = await raw.json()
+            fake.calls.append(("/generate", body))
+            while fake.hang_generate:  # until close()
+                await asyncio.sleep(0.05)
+            try:
+                request = fake._request(body)
+            except (KeyError, TypeError, ValueError) as exc:
+                return JSONResponse({"error": {"message": f"bad request: {exc}"}}, status_code=400)
+            if not body.get("stream"):
+                last = None
+                try:
+                    async for chunk in fake._generate_chunks(request):
+                        last = chunk
+                except EngineInputError as exc:
+                    return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+                return JSONResponse(last)
+
+            async def events():
+                try:
+                    async for chunk in fake._generate_chunks(request):
+                        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                except EngineInputError as exc:
+                    yield b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.post("/abort_request")
+        async def abort_request(raw: Request) -> Response:
+            body = await raw.json()
+            fake.calls.append(("/abort_request", body))
+            rids = list(fake.running) if body.get("abort_all") else [body.get("rid")]
+            for rid in rids:
+                await fake.engine.abort(rid)
+            return Response(status_code=200)
+
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
+        async def flush_cache() -> Response:
+            fake.calls.append(("/flush_cache", {}))
+            if fake.running:
+                return Response("Cache not flushed: requests are running.\n", status_code=400)
+            fake.flushes += 1
+            return Response("Cache flushed.\n", status_code=200)
+
+        @app.post("/release_memory_occupation")
+        async def release(raw: Request) -> Any:
+            body = await raw.json()
+            fake.calls.append(("/release_memory_occupation", body))
+            if fake.running:
+                return JSONResponse({"error": {"message": "requests are running"}}, status_code=400)
+            fake.released_tags.append(body.get("tags"))
+            await fake.engine.release_memory()
+            return Response(status_code=200)
+
+        @app.post("/resume_memory_occupation")
+        async def resume(raw: Request) -> Any:
+            body = await raw.json()
+            fake.calls.append(("/resume_memory_occupation", body))
+            await fake.engine.resume_memory()
+            await fake._load({}, fake.weight_version)  # the memory saver restores the weights it backed up
+            return Response(status_code=200)
+
+        @app.post("/update_weights_from_disk")
+        async def from_disk(raw: Request) -> Any:
+            body = await raw.json()
+            fake.calls.append(("/update_weights_from_disk", body))
+            try:
+                state = await asyncio.to_thread(read_hf_weights, body["model_path"])
+            except OSError as exc:
+                return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+            return await fake._answer(state, body)
+
+        @app.post("/update_weights_from_tensor")
+        async def from_tensor(raw: Request) -> Any:
+            body = await raw.json()
+            fake.calls.append(("/update_weights_from_tensor", body))
+            entries = body["serialized_named_tensors"]
+            state = torch.load(io.BytesIO(base64.b64decode(entries[0])), weights_only=True)
+            return await fake._answer(state, body)
+
+        @app.post("/init_weights_update_group")
+        async def init_group(raw: Request) -> Any:
+            body = await raw.json()
+            fake.calls.append(("/init_weights_update_group", body))
+            group = await asyncio.to_thread(
+                open_group,
+                body["master_address"],
+                body["master_port"],
+                body["rank_offset"],
+                body["world_size"],
+                body["group_name"],
+                body.get("backend", "nccl"),
+            )
+            fake.groups[body["group_name"]] = group
+            return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
+
+        @app.post("/update_weights_from_distributed")
+        async def from_distributed(raw: Request) -> Any:
+            body = await raw.json()
+            fake.calls.append(("/update_weights_from_distributed", body))
+            group = fake.groups.get(body["group_name"])
+            if group is None:
+                return JSONResponse({"success": False, "message": "no such group"}, status_code=400)
+
+            def receive() -> dict[str, torch.Tensor]:
+                out = {}
+                for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"], strict=True):
+                    tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                    group.broadcast(tensor)
+                    out[name] = tensor
+                return out
+
+            return await fake._answer(await asyncio.to_thread(receive), body)
+
+        @app.get("/health_generate")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        @app.get("/get_server_info")
+        async def server_info() -> Any:
+            return {"version": "fake", "weight_version": fake.weight_version}
+
+        return app
+
+    async def _answer(self, state: dict[str, torch.Tensor], body: dict[str, Any]) -> JSONResponse:
+        """Load `state` at the body's weight_version; SGLang's {"success", "message"} reply (400 if refused)."""
+        try:
+            await self._load(state, body.get("weight_version"))
+        except EngineInputError as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=400)
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights."})
+
+    async def _load(self, state: dict[str, torch.Tensor], version: str | None) -> None:
+        """Apply a (possibly partial) HF-named update, as SGLang's loaders do."""
+        unknown = sorted(set(state) - set(self.state))
+        if unknown:
+            raise EngineInputError(f"unknown parameters {unknown}")
+        for name, tensor in state.items():
+            if tuple(tensor.shape) != tuple(self.state[name].shape):
+                raise EngineInputError(
+                    f"{name}: shape {tuple(tensor.shape)} != {tuple(self.state[name].shape)}"
+                )
+            self.state[name] = tensor.clone()
+        if version is not None:
+            self.weight_version = str(version)
+        await self.engine.update_weights(dict(self.state), int(self.weight_version))
