@@ -13,6 +13,7 @@ import sys
 # Each module exposes `register(subparsers) -> None` and sets `handler` defaults on its parsers.
 COMMAND_MODULES = (
     "gyre_ray.train",
+    "gyre_ray.eval_cli",
     "gyre_ray.engines.cli",
     "gyre_ray.trajectory.cli",
     "gyre_ray.sim.cli",

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from gyre_ray.agents.config import AgentSection
+from gyre_ray.agents.config import AgentSection, check_task_set
 from gyre_ray.algo.config import AlgoSection
 from gyre_ray.cells.config import CellsSection
 from gyre_ray.configbase import Section
@@ -39,6 +39,34 @@ class RunSection(Section):
         "offline", description="wandb mode (offline needs no network; `wandb sync` uploads later)."
     )
     seed: int = Field(0, description="Global seed.")
+    checkpoint_every: int = Field(
+        5,
+        ge=0,
+        description="Write a checkpoint (weights, optimizer, version, RNG, step) into <run folder>/checkpoints "
+        "every N steps and after the last one; `gyre-ray train --resume RUN_DIR` continues from the newest "
+        "(0 = only the final model, no resume).",
+    )
+    keep_checkpoints: int = Field(2, ge=0, description="Newest checkpoints kept in the run folder (0 = all).")
+    eval_every: int = Field(
+        0,
+        ge=0,
+        description="Evaluate the policy on the held-out tasks before training and every N steps (and "
+        "after the last); never trained on. 0 = off.",
+    )
+    eval_task_set: str | None = Field(
+        None,
+        description="Task set to evaluate on (a name or a task file); unset = the last `eval_holdout` tasks "
+        "of agents.task_set, which training then skips.",
+    )
+    eval_holdout: int = Field(
+        1, ge=1, description="Tasks of agents.task_set held out for evaluation when eval_task_set is unset."
+    )
+    eval_samples: int = Field(
+        2, ge=1, description="Executions per held-out task in one evaluation (fixed seeds across rounds)."
+    )
+    eval_pass_threshold: float = Field(
+        1.0, ge=0.0, le=1.0, description="An evaluated execution passes when its reward is at least this."
+    )
     dashboard: bool = Field(
         False,
         description="A private local Ray starts its dashboard too (a cluster's Ray has its own). "
@@ -51,6 +79,11 @@ class RunSection(Section):
         description="Port where a private local Ray serves Prometheus metrics (gyre's included: "
         "deployments/grafana/gyre-ray.json); keep it outside Ray's worker ports 10002-19999.",
     )
+
+    @field_validator("eval_task_set")
+    @classmethod
+    def _eval_task_set(cls, value: str | None) -> str | None:
+        return None if value is None else check_task_set(value)
 
     @field_validator("metrics_export_port")
     @classmethod

@@ -6,7 +6,9 @@ The driver is thin: config -> `Runtime.start` (cells, store, proxy, the `schedul
 staleness bound allows, moves cells between rollout and training by the configured policy (the same
 objects the simulator drives), trains each batch's micro-batches as its groups end and publishes
 each update to every cell. Everything lands in a run folder: config, call records, metrics,
-summary, trace.jsonl, costs.json, workspaces and the core's checkpoint.
+summary, trace.jsonl, costs.json, workspaces, checkpoints/ (`gyre_ray.checkpoint`; `--resume RUN_DIR`
+continues from the newest, `gyre_ray.resume`), eval.jsonl (`run.eval_every`, `gyre_ray.evaluation`)
+and report/.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.checkpoint import latest as latest_checkpoint
+from gyre_ray.checkpoint import load_state, require_latest, trainer_dir
 from gyre_ray.config import GyreConfig, load_config
+from gyre_ray.evaluation import EvalRunner, eval_due, format_eval, read_eval, split_tasks
+from gyre_ray.resume import merge_segments, prepare_resume, segment_offset, shift
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,14 +32,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train", help="run the RL training job (local Ray, or the cluster under ray job submit)"
     )
     parser.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue this run folder from its newest checkpoint, with its config (overrides apply, "
+        "e.g. run.steps=8 to go on to step 8)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 run.steps=2")
     parser.set_defaults(handler=_train_command)
 
 
 def _train_command(args: argparse.Namespace) -> int:
-    summary = train(load_config(args.config, args.overrides))
+    from gyre_ray.checkpoint import CheckpointError
+    from gyre_ray.config import ConfigError
+
+    if args.resume is None:
+        summary = train(load_config(args.config, args.overrides))
+    elif args.config is not None:
+        raise ConfigError("--resume takes the run folder's own config.json; give overrides, not --config")
+    else:
+        try:
+            summary = train(resume_config(args.resume, args.overrides), resume=args.resume)
+        except CheckpointError as exc:
+            raise ConfigError(f"cannot resume: {exc}") from None
     print(format_summary(summary))
     return 0
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> GyreConfig:
+    """The config a run folder was started with (its config.json), with `overrides` applied."""
+    from gyre_ray.config import ConfigError
+
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"cannot resume {run_dir}: no config.json (not a run folder)")
+    return load_config(path, overrides)
 
 
 def runs_root(run_dir: str, cwd: Path | None = None) -> Path:
@@ -62,21 +96,28 @@ def new_run_dir(cfg: GyreConfig) -> Path:
     return run_dir
 
 
-def train(cfg: GyreConfig, *, engine_factory: Any = None, execute: Any = None) -> dict[str, Any]:
+def train(
+    cfg: GyreConfig, *, resume: str | Path | None = None, engine_factory: Any = None, execute: Any = None
+) -> dict[str, Any]:
     """Run `cfg.run.steps` RL steps end to end and return the run summary (also saved as summary.json).
 
     Thin: config -> runtime -> `scheduler.run(steps)` -> stream progress and per-step metrics -> save.
-    `engine_factory` / `execute` (an execution runner with `run_planned_execution`'s signature) are
-    for tests and benchmarks.
+    `resume`: a run folder to continue from its newest checkpoint (`gyre_ray.resume`), up to
+    `cfg.run.steps`. `engine_factory` / `execute` (an execution runner with `run_planned_execution`'s
+    signature) are for tests and benchmarks.
     """
     import ray
 
     from gyre_ray.observability.metrics import MetricsLogger
-    from gyre_ray.observability.progress import Progress
     from gyre_ray.runtime.cluster import Runtime
     from gyre_ray.runtime.report import write_costs, write_trace
 
-    run_dir = new_run_dir(cfg)
+    split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
+    first_step, offset, checkpoint_in = 0, 0.0, None
+    if resume is None:
+        run_dir = new_run_dir(cfg)
+    else:
+        run_dir, checkpoint_in, first_step, offset = _resume_folder(cfg, Path(resume))
     cfg = cfg.model_copy(
         update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})}
     )
@@ -89,51 +130,132 @@ def train(cfg: GyreConfig, *, engine_factory: Any = None, execute: Any = None) -
         f"{cfg.scheduler.policy}, staleness bound {cfg.scheduler.staleness}",
         flush=True,
     )
-    logger = MetricsLogger(run_dir, run_dir.name, json.loads(cfg.model_dump_json()), cfg.run.wandb_mode)
-    steps: list[dict[str, Any]] = []
+    logger = MetricsLogger(
+        run_dir,
+        run_dir.name,
+        json.loads(cfg.model_dump_json()),
+        cfg.run.wandb_mode,
+        resume=resume is not None,
+    )
     try:
-        scheduler = runtime.scheduler
-        done = scheduler.run.remote(cfg.run.steps)
-        with Progress("run", total=cfg.run.steps) as progress:
-            while True:
-                finished, _ = ray.wait([done], timeout=1.0)
-                for metrics in ray.get(scheduler.metrics_since.remote(len(steps)), timeout=60):
-                    logger.log(metrics["step"], metrics)
-                    steps.append(metrics)
-                    print(f"gyre-ray: step {metrics['step']}: {format_step(metrics)}", flush=True)
-                snapshot = ray.get(scheduler.progress.remote(), timeout=60)
-                progress.update(len(steps), note=_progress_note(snapshot))
-                if finished:
-                    break
-        result = ray.get(done)
-        write_trace(run_dir, result["trace"])
-        write_costs(run_dir, result["costs"])
-        checkpoint = ray.get(runtime.core.save.remote(str(run_dir / "checkpoint")), timeout=600)
+        try:
+            if checkpoint_in is not None:
+                version = runtime.restore(checkpoint_in)
+                print(f"gyre-ray: resumed from {checkpoint_in} (step {first_step}, weights v{version})")
+            result = _drive(runtime, cfg, logger, run_dir, (first_step, offset), execute)
+            if resume is not None:
+                result = merge_segments(run_dir, first_step, offset, result)
+            write_trace(run_dir, result["trace"])
+            write_costs(run_dir, result["costs"])
+            saved = latest_checkpoint(run_dir) if cfg.run.checkpoint_every else None
+            if saved is not None and load_state(saved)["step"] == cfg.run.steps:
+                checkpoint = trainer_dir(saved)
+            else:
+                checkpoint = ray.get(runtime.core.save.remote(str(run_dir / "checkpoint")), timeout=600)
+        finally:
+            runtime.shutdown()
+        summary = {
+            "run_dir": str(run_dir),
+            "checkpoint": str(checkpoint),
+            "steps": result["steps"],
+            "costs": result["costs"],
+            "utilisation": result["utilisation"],
+            "spans": result["spans"],  # each cell's work: (cell, rollout|training|switching, from_s, to_s)
+            "switches": result["switches"],
+            "eval": read_eval(run_dir),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        report = _write_report(run_dir)
+        logger.finish_run(summary, report)
     finally:
         logger.close()
-        runtime.shutdown()
-    summary = {
-        "run_dir": str(run_dir),
-        "checkpoint": str(checkpoint),
-        "steps": result["steps"],
-        "costs": result["costs"],
-        "utilisation": result["utilisation"],
-        "spans": result["spans"],  # each cell's work: (cell, rollout|training|switching, from_s, to_s)
-        "switches": result["switches"],
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _write_report(run_dir)
     return summary
 
 
-def _write_report(run_dir: Path) -> None:
+def _resume_folder(cfg: GyreConfig, run_dir: Path) -> tuple[Path, Path, int, float]:
+    """(run folder, its newest checkpoint, the step it resumes at, the new segment's time offset)."""
+    from gyre_ray.config import ConfigError
+
+    run_dir = run_dir.resolve()
+    checkpoint = require_latest(run_dir)
+    first_step = int(load_state(checkpoint)["step"])
+    if first_step >= cfg.run.steps:
+        raise ConfigError(
+            f"{run_dir} has done {first_step} step(s), run.steps={cfg.run.steps}: nothing to resume "
+            f"(give run.steps={first_step + 1} or more to go on)"
+        )
+    offset = segment_offset(run_dir, first_step)
+    aside = prepare_resume(run_dir, first_step)
+    if aside["moved"]:
+        print(
+            f"gyre-ray: {aside['moved']} record/workspace entries of steps >= {first_step} moved to {aside['to']}"
+        )
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    return run_dir, checkpoint, first_step, offset
+
+
+def _drive(
+    runtime: Any, cfg: GyreConfig, logger: Any, run_dir: Path, start: tuple[int, float], execute: Any
+) -> dict[str, Any]:
+    """`scheduler.run` to the end, streaming each step's metrics (and evaluation rounds) as they come.
+
+    `start`: (the step the run starts at, the seconds to add to its times: both 0 unless resumed)."""
+    import ray
+
+    from gyre_ray.observability.progress import Progress
+
+    scheduler, every = runtime.scheduler, cfg.run.eval_every
+    first_step, offset = start
+    evaluator = None
+    version = int(ray.get(runtime.core.trainer_version.remote(), timeout=60))
+    if every:
+        evaluator = EvalRunner(cfg, runtime.store, runtime.workers, runtime.proxy.base_url, run_dir, execute)
+        if eval_due(first_step, every, cfg.run.steps):
+            evaluator.start(first_step, version)
+    done = scheduler.run.remote(
+        cfg.run.steps, first_step=first_step, checkpoint_every=cfg.run.checkpoint_every
+    )
+    steps: list[dict[str, Any]] = []
+    with Progress("run", total=cfg.run.steps - first_step) as progress:
+        while True:
+            finished, _ = ray.wait([done], timeout=1.0)
+            for metrics in ray.get(scheduler.metrics_since.remote(len(steps)), timeout=60):
+                steps.append(metrics)
+                metrics = shift(metrics, ("published_at_s",), offset)
+                logger.log(metrics["step"], metrics)
+                print(f"gyre-ray: step {metrics['step']}: {format_step(metrics)}", flush=True)
+                version = int(metrics["version"])
+                if evaluator is not None and eval_due(metrics["step"] + 1, every, cfg.run.steps):
+                    evaluator.start(metrics["step"] + 1, version)
+            if evaluator is not None:
+                _log_eval(logger, evaluator.poll(version))
+            snapshot = ray.get(scheduler.progress.remote(), timeout=60)
+            progress.update(len(steps), note=_progress_note(snapshot))
+            if finished:
+                break
+    result = ray.get(done)
+    if evaluator is not None:
+        _log_eval(logger, evaluator.finish(version))
+    return result
+
+
+def _log_eval(logger: Any, rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        logger.log_eval(row)
+        print(f"gyre-ray: {format_eval(row)}", flush=True)
+
+
+def _write_report(run_dir: Path) -> Path | None:
     """The run's pictures (`gyre-ray report`); a failure to draw never fails the run."""
     from gyre_ray.observability.report import write_report
 
     try:
-        print(f"gyre-ray: report {write_report(run_dir)}", flush=True)
+        index = write_report(run_dir)
     except Exception as exc:
         print(f"gyre-ray: no report ({type(exc).__name__}: {exc})", flush=True)
+        return None
+    print(f"gyre-ray: report {index}", flush=True)
+    return index
 
 
 def _progress_note(snapshot: dict[str, Any]) -> str:
@@ -174,12 +296,13 @@ def format_step(m: dict[str, Any]) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"gyre-ray train: {len(summary['steps'])} step(s) done"]
-    lines += [f"  step {i}: {format_step(m)}" for i, m in enumerate(summary["steps"])]
+    lines += [f"  step {m['step']}: {format_step(m)}" for m in summary["steps"]]
     run_dir = summary["run_dir"]
     lines.append(
         f"  run folder: {run_dir} (records/, metrics.jsonl, summary.json, trace.jsonl, costs.json, workspaces/)"
     )
     lines.append(f"  checkpoint: {summary['checkpoint']} (HF folder + optimizer state)")
+    lines += [f"  {format_eval(row)}" for row in summary.get("eval", [])]
     costs = summary.get("costs")
     if costs:
         lines.append(

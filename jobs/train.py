@@ -1,7 +1,8 @@
 """Entry point for clusters: `ray job submit --working-dir . -- python jobs/train.py --config jobs/configs/toy.yaml`.
 
 Under `ray job submit` the driver joins the running cluster (RAY_ADDRESS is set); run directly it
-starts a private local Ray, exactly like `gyre-ray train`.
+starts a private local Ray, exactly like `gyre-ray train`. `python jobs/train.py --resume RUN_DIR
+[run.steps=N]` continues a run from its newest checkpoint.
 """
 
 import sys

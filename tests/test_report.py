@@ -50,13 +50,23 @@ def test_rewards_by_task_drop_the_step_prefix_and_dropped_executions() -> None:
 
 
 def test_report_writes_every_picture_and_a_page(tmp_path: Path) -> None:
+    rounds = [
+        {"step": s, "reward_mean": r, "pass_rate": p, "tasks": {"greeting": {"reward": r, "pass_rate": p}}}
+        for s, r, p in ((0, 0.3, 0.0), (2, 0.5, 0.5))
+    ]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
     index = write_report(_run_dir(tmp_path))
-    names = {"reward.png", "timeline.png", "switches.png", "staleness.png"}
+    names = {"reward.png", "timeline.png", "switches.png", "staleness.png", "eval.png"}
     for name in names:
         data = (index.parent / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
     page = index.read_text()
     assert all(f'src="{n}"' in page for n in names) and page.count("<tr>") == 3
+
+
+def test_a_run_without_evaluation_still_gets_its_evaluation_picture(tmp_path: Path) -> None:
+    index = write_report(_run_dir(tmp_path))  # no eval.jsonl: run.eval_every=0
+    assert (index.parent / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_report_command_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

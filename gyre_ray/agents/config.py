@@ -75,11 +75,16 @@ class AgentSection(Section):
     @field_validator("task_set")
     @classmethod
     def _task_set(cls, value: str) -> str:
-        if value in NAMED_TASK_SETS:
-            return value
-        path = Path(value).expanduser()
-        if path.suffix not in (".jsonl", ".yaml", ".yml"):
-            raise ValueError(f"task_set must be one of {', '.join(NAMED_TASK_SETS)} or a .jsonl/.yaml file")
-        if not path.is_file():
-            raise ValueError(f"task file {value} does not exist")
-        return str(path.resolve())
+        return check_task_set(value)
+
+
+def check_task_set(value: str) -> str:
+    """A task set name, or an existing .jsonl/.yaml task file (made absolute); ValueError otherwise."""
+    if value in NAMED_TASK_SETS:
+        return value
+    path = Path(value).expanduser()
+    if path.suffix not in (".jsonl", ".yaml", ".yml"):
+        raise ValueError(f"task_set must be one of {', '.join(NAMED_TASK_SETS)} or a .jsonl/.yaml file")
+    if not path.is_file():
+        raise ValueError(f"task file {value} does not exist")
+    return str(path.resolve())

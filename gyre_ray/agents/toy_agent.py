@@ -136,7 +136,9 @@ def main() -> int:
     if not task:
         print("toy_agent: GYRE_TASK_PROMPT is empty", file=sys.stderr)
         return 2
-    seed = zlib.crc32(str(workspace).encode()) % 100_000
+    # Seeded by the execution's name (its workspace folder), not the path: the same execution of
+    # another run folder (a resumed run, a rerun) samples the same way.
+    seed = zlib.crc32(workspace.resolve().name.encode()) % 100_000
     client = OpenAI(timeout=600.0, max_retries=0)
     agent = ToyAgent(
         client, workspace, task, seed, max_tokens=int(os.environ.get("GYRE_TOY_MAX_TOKENS", "16"))

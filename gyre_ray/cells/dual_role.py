@@ -330,6 +330,15 @@ class DualRoleCell(RolloutCell):
         async with self._lock:
             return str(await asyncio.to_thread(trainer.save, folder))
 
+    async def load(self, folder: str) -> int:
+        """Core: restore a `save`d trainer folder (weights, optimizer, step, version, RNG); returns the version."""
+        self._require_core("load")
+        trainer = self._trainer()
+        async with self._lock:
+            await asyncio.to_thread(trainer.load, folder)
+            self._trained = 0
+            return trainer.version
+
     # ---- internals ------------------------------------------------------------------------------
     async def _fetch(self, weights: Ticket | dict[str, Any] | None) -> dict[str, Any] | None:
         """A weight ticket's state dict, fetched through this cell's transport (a dict or None as given)."""

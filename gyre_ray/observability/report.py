@@ -7,7 +7,9 @@ cells' work spans and the switch events) and writes under `RUN_DIR/report/`:
   number of executions running over time beneath (the saw-tooth of the reference paper's figure);
 - `switches.png`: each role switch's latency by direction, over the run;
 - `staleness.png`: the policy-version lag of trained tokens per step (max and mean);
-- `index.html`: the four pictures and a table of the step metrics.
+- `eval.png`: the evaluation curve, held-out reward per task and mean, and the pass rate, against the
+  updates the evaluated policy had (`eval.jsonl`; a note when the run had `run.eval_every=0`);
+- `index.html`: the five pictures and a table of the step metrics.
 The training job writes it at the end of every run. Uses matplotlib's Agg backend.
 """
 
@@ -43,6 +45,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
         "steps": _read_jsonl(run_dir / "metrics.jsonl"),
         "trace": _read_jsonl(run_dir / "trace.jsonl"),
         "summary": json.loads((run_dir / "summary.json").read_text()),
+        "eval": _read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").is_file() else [],
     }
 
 
@@ -150,6 +153,28 @@ def plot_staleness(steps: list[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_eval(rounds: list[dict[str, Any]], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    rounds = sorted(rounds, key=lambda r: r["step"])
+    if rounds:
+        xs = [r["step"] for r in rounds]
+        ax.plot(xs, [r["reward_mean"] for r in rounds], "o-", color="black", lw=2, label="mean reward")
+        for task in sorted({t for r in rounds for t in r["tasks"]}):
+            points = [(r["step"], r["tasks"][task]["reward"]) for r in rounds if task in r["tasks"]]
+            ax.plot(*zip(*points, strict=True), ".--", alpha=0.7, label=task)
+        ax.plot(xs, [r["pass_rate"] for r in rounds], "s:", color="#2a9d4b", label="pass rate")
+        ax.legend(fontsize=7, ncol=2)
+    else:
+        ax.text(0.5, 0.5, "no evaluation in this run (run.eval_every=0)", ha="center", va="center",
+                transform=ax.transAxes)  # fmt: skip
+    ax.set(xlabel="updates of the evaluated policy", ylabel="held-out reward / pass rate",
+           title="Evaluation on held-out tasks", ylim=(-0.02, 1.02))  # fmt: skip
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -168,6 +193,7 @@ def write_report(run_dir: str | Path) -> Path:
         plot_timeline(run["summary"], run["trace"], out / "timeline.png"),
         plot_switches(run["summary"], out / "switches.png"),
         plot_staleness(run["steps"], out / "staleness.png"),
+        plot_eval(run["eval"], out / "eval.png"),
     ]
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_cell(m.get(k)))}</td>" for k in TABLE_KEYS) + "</tr>"
@@ -194,7 +220,7 @@ def _cell(value: Any) -> str:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "report", help="pictures of a run: reward, cell-role timeline, switches, staleness"
+        "report", help="pictures of a run: reward, cell-role timeline, switches, staleness, evaluation"
     )
     parser.add_argument("run_dir", help="a run folder (what `gyre-ray train` printed)")
     parser.set_defaults(handler=_report_command)

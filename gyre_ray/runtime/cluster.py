@@ -223,6 +223,22 @@ class Runtime:
             **{"workers": self.workers, "pool": self.pool, **options},
         )
 
+    def restore(self, checkpoint: str | Path, timeout_s: float = 600.0) -> int:
+        """Load a run checkpoint (`gyre_ray.checkpoint`) into the core (weights, optimizer, step, version,
+        RNG) and serve its weights on every cell; returns the restored policy version. Call it before
+        the scheduler runs (every cell is in rollout then)."""
+        import ray
+
+        from gyre_ray.checkpoint import trainer_dir
+
+        version = int(ray.get(self.core.load.remote(str(trainer_dir(checkpoint))), timeout=timeout_s))
+        # a plain state dict, not a published ticket: the scheduler's run publishes this version first
+        weights = self.core.state_dict.remote()
+        ray.get(
+            [cell.update_weights.remote(weights, version) for cell in self.cells.values()], timeout=timeout_s
+        )
+        return version
+
     def shutdown(self) -> None:
         """Stop the scheduler, the proxy app, the cells and the store; stop Ray if this runtime started it."""
         if self._closed:

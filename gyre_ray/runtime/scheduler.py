@@ -31,7 +31,7 @@ import ray
 from gyre_ray.agents.launch import PlannedExecution, plan_step, run_planned_execution
 from gyre_ray.agents.runner import Endpoint
 from gyre_ray.config import GyreConfig
-from gyre_ray.envs.base import get_task_set
+from gyre_ray.evaluation import split_tasks
 from gyre_ray.runtime.groups import GroupResult
 from gyre_ray.runtime.live_metrics import LiveMetrics
 from gyre_ray.runtime.recorder import RunRecorder
@@ -93,12 +93,21 @@ class RunScheduler(CellRecovery):
 
     # ---- the run --------------------------------------------------------------------------------
     def run(
-        self, steps: int, scheduler: dict[str, Any] | None = None, run_dir: str | None = None, tag: str = ""
+        self,
+        steps: int,
+        scheduler: dict[str, Any] | None = None,
+        run_dir: str | None = None,
+        tag: str = "",
+        first_step: int = 0,
+        checkpoint_every: int = 0,
     ) -> dict[str, Any]:
-        """Run `steps` updates; returns {"steps": per-step metrics, "trace": rows, "costs": measured, ...}.
+        """Run updates `first_step`..`steps - 1`; returns {"steps": per-step metrics, "trace": rows, ...}.
 
         Several runs may follow each other on the same cells (benchmarks): `scheduler` replaces the
         `scheduler` section for this run, `run_dir` the workspaces' folder, `tag` prefixes execution ids.
+        A resumed run (`first_step` > 0; the core restored by `Runtime.restore`) plans the same steps,
+        tasks and execution ids the uninterrupted run would have. `checkpoint_every` > 0 writes a
+        checkpoint (`gyre_ray.checkpoint`) into the run folder after every N-th update and the last.
         Every cell is back in rollout, serving the last version, when a run returns.
         """
         if scheduler is not None:
@@ -115,10 +124,11 @@ class RunScheduler(CellRecovery):
         for i, view in enumerate(self.views):
             view.enter(CellPhase.TO_ROLLOUT if self._restarting(i) else CellPhase.ROLLOUT, 0.0)
             view.return_requested = False
-        tasks = get_task_set(cfg.agents.task_set)
+        tasks = split_tasks(cfg)[0]  # the held-out evaluation tasks are never trained on
+        self.first_step, self.checkpoint_every = first_step, checkpoint_every
         self.planned: list[PlannedExecution] = []
         batch_of: list[int] = []
-        for step in range(steps):
+        for step in range(first_step, steps):
             items = plan_step(step, tasks, cfg.run.tasks_per_step, cfg.algo.group_size)
             self.planned += [
                 dataclasses.replace(p, execution_id=tag + p.execution_id, group=tag + p.group) for p in items
@@ -130,8 +140,9 @@ class RunScheduler(CellRecovery):
         for e, item in enumerate(self.planned):
             self.groups.setdefault(item.group, []).append(e)
         self.group_batch = {g: batch_of[es[0]] for g, es in self.groups.items()}
-        self.streams: dict[int, MicroBatchStream] = {b: MicroBatchStream() for b in range(steps)}
-        self.groups_left = {b: sum(1 for g in self.groups if self.group_batch[g] == b) for b in range(steps)}
+        batches = range(first_step, steps)
+        self.streams: dict[int, MicroBatchStream] = {b: MicroBatchStream() for b in batches}
+        self.groups_left = {b: sum(1 for g in self.groups if self.group_batch[g] == b) for b in batches}
         self.token_versions: dict[tuple[int, int], dict[int, int]] = {}
         self.outcomes: dict[int, Any] = {}
         self.running: dict[Any, RunningExecution] = {}
@@ -143,7 +154,7 @@ class RunScheduler(CellRecovery):
         self.has_grads = [False] * len(self.views)
         self._reset_recovery(len(self.views))
         self.update: Update | None = None
-        self.updates = 0
+        self.updates = first_step
         self.trainer_version = int(ray.get(self.actors[self.core].trainer_version.remote(), timeout=60))
         self.engine_version = [self.trainer_version] * len(self.views)
         self.sat_version = [self.trainer_version] * len(self.views)
@@ -499,6 +510,9 @@ class RunScheduler(CellRecovery):
         if update.stage == "step":
             update.stage = "publish"
             update.version = int(update.metrics.get("version", self.trainer_version))
+            if update.version == self.trainer_version:  # no step (nothing to train, or a NaN norm)
+                update.weights = self.weights  # every cell holds this version already
+                return self._next_stage()
             update.weights = core.publish_weights.remote()  # one ticket: every cell fetches it
             for i, view in enumerate(self.views):
                 if view.phase is CellPhase.ROLLOUT:
@@ -522,8 +536,36 @@ class RunScheduler(CellRecovery):
         self.update = None
         self.updates += 1
         metrics = self.recorder.step_done(self, update, now)
+        if self.checkpoint_every and (
+            self.updates % self.checkpoint_every == 0 or self.updates == self.steps
+        ):
+            metrics["checkpoint_s"] = self._checkpoint()
         self.step_metrics.append(metrics)
         self.live.step_done(metrics)
+
+    def _checkpoint(self) -> float:
+        """Write the run's checkpoint now, right after an update is published (the core is idle then);
+        returns the seconds it took (the loop waits; the cells keep generating).
+        With eta = 0 nothing of the next step has started, so a resume replays the run exactly; with
+        eta > 0 the later steps' executions under way are not saved and a resume runs them again."""
+        from gyre_ray.checkpoint import save
+
+        core = self.actors[self.core]
+        # executions of later steps already launched (eta > 0): not in the checkpoint, run again on resume
+        started = sum(1 for e in self.recorder.start if self.ledger.batch_of[e] >= self.updates)
+        state = {
+            "version": self.trainer_version,
+            "seed": self.cfg.run.seed,
+            "task_cursor": self.updates * self.cfg.run.tasks_per_step,  # plan_step's index into the tasks
+            "staleness": self.eta,
+            "later_executions_started": started,
+            "exact": started == 0,
+            "costs": dataclasses.asdict(self.costs),
+        }
+        since = time.monotonic()
+        save(self.run_dir, self.updates, lambda folder: ray.get(core.save.remote(str(folder)), timeout=600),
+             state, keep=self.cfg.run.keep_checkpoints)  # fmt: skip
+        return round(time.monotonic() - since, 3)
 
     def _cost_report(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -532,7 +574,7 @@ class RunScheduler(CellRecovery):
             split = getattr(self.policy, "train_cells", None)
         return self.recorder.costs(
             cells=len(self.views), group_size=cfg.algo.group_size,
-            executions_per_step=cfg.run.tasks_per_step * cfg.algo.group_size, steps=self.steps,
+            executions_per_step=cfg.run.tasks_per_step * cfg.algo.group_size, steps=self.steps - self.first_step,
             policy=cfg.scheduler.policy, staleness=self.eta, async_train_cells=split,
             capacity_per_cell=self.views[0].capacity,
         )  # fmt: skip

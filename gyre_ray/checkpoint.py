@@ -1,0 +1,129 @@
+"""Run checkpoints: what a run needs to continue after it stopped (or died), written atomically.
+
+    path = save(run_dir, step, write_trainer, state)   # <run_dir>/checkpoints/step-000004
+    path = latest(run_dir)                               # the newest complete one, or None
+    state = load_state(path)                             # {"step": 4, "version": 4, ...}
+    trainer_dir(path)                                    # HF folder + trainer_state.pt (optimizer, RNG)
+
+A checkpoint is the folder `step-<N>` (N = updates done = the next step to run) holding `trainer/`
+(the core's `Trainer.save`: HF weights, optimizer state, optimizer step, policy version, RNG states)
+and `state.json` (the run's counters: step, version, the seed, the task cursor, and free-form extras
+the caller adds). It is built in a hidden `.step-<N>.partial-*` folder, `state.json` last, and
+renamed into place only when complete, so `latest` never sees half a checkpoint; partial folders
+left by a crash are ignored (and removed by the next `save`). `save` keeps the newest `keep` ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "state.json"
+TRAINER_DIR = "trainer"
+_NAME = re.compile(r"^step-(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint where one was asked for (the message says where and why)."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def trainer_dir(checkpoint: str | Path) -> Path:
+    """The trainer's folder inside a checkpoint (an HF model folder `model.path` can point at)."""
+    return Path(checkpoint) / TRAINER_DIR
+
+
+def save(
+    run_dir: str | Path,
+    step: int,
+    write_trainer: Callable[[Path], Any],
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint `step` of the run atomically; returns its folder.
+
+    `write_trainer(folder)` writes the trainer's state into `folder` (e.g. the core's `save`);
+    `state` is saved as `state.json` with `step` set. Older checkpoints beyond the newest `keep`
+    (0 = keep all) and stale partial folders are removed afterwards.
+    """
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    partial = root / f".{final.name}.partial-{secrets.token_hex(4)}"
+    partial.mkdir()
+    try:
+        write_trainer(partial / TRAINER_DIR)
+        if not (partial / TRAINER_DIR).is_dir():
+            raise CheckpointError(f"the trainer wrote nothing into {partial / TRAINER_DIR}")
+        text = json.dumps({**state, "step": step}, indent=2, default=float)
+        tmp = partial / f"{STATE_FILE}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, partial / STATE_FILE)
+        if final.exists():  # the same step written again (a resumed run): the new one wins
+            shutil.rmtree(final)
+        os.rename(partial, final)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _prune(root, keep)
+    return final
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every complete checkpoint of the run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file() and (p / TRAINER_DIR).is_dir()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run, or None when it has none."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def require_latest(run_dir: str | Path) -> Path:
+    """`latest`, or a CheckpointError saying why there is nothing to resume from."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir} is not a folder")
+    path = latest(run_dir)
+    if path is None:
+        raise CheckpointError(
+            f"{run_dir} holds no complete checkpoint under {CHECKPOINTS}/ "
+            "(run.checkpoint_every > 0 writes one every N steps and at the end)"
+        )
+    return path
+
+
+def load_state(checkpoint: str | Path) -> dict[str, Any]:
+    """The run counters a checkpoint saved (`state.json`)."""
+    path = Path(checkpoint) / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint: no {STATE_FILE}")
+    return json.loads(path.read_text())
+
+
+def _prune(root: Path, keep: int) -> None:
+    for stale in root.glob(".step-*.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # a crashed save: never complete, never resumed from
+    if keep <= 0:
+        return
+    for old in complete_checkpoints(root.parent)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

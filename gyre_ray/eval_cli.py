@@ -1,0 +1,119 @@
+"""`gyre-ray eval`: the run's evaluation from the shell, on a run's newest checkpoint or any model folder.
+
+    gyre-ray eval --run RUN_DIR [overrides]                 # the run's config, held-out split and checkpoint
+    gyre-ray eval --model-dir DIR [--config C] [--task-set S] [overrides]
+
+It starts rollout-only cells serving the policy (`model.path` = the checkpoint's HF folder), the proxy
+and the warm `workers` actor, runs one evaluation round exactly as `run.eval_every` does during
+training (`gyre_ray.evaluation`: the held-out tasks, `run.eval_samples` executions each, the same fixed
+seeds), prints it, and writes the round as JSON (`--json`, default `<out>/eval.json`) and under
+`<out>/` its eval.jsonl, call records and workspaces. `<out>` is `RUN_DIR/evals/<time>` for a run,
+else `<run.run_dir>/eval-<time>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.config import GyreConfig, load_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval", help="evaluate a run's checkpoint or a model folder on held-out tasks"
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", metavar="RUN_DIR", help="a run folder: its config and newest checkpoint")
+    source.add_argument(
+        "--model-dir", "--checkpoint", dest="model_dir", metavar="DIR", help="an HF model folder"
+    )
+    parser.add_argument(
+        "--config", default=None, help="YAML config for --model-dir (default: built-in defaults)"
+    )
+    parser.add_argument("--task-set", default=None, help="evaluate on this task set (sets run.eval_task_set)")
+    parser.add_argument("--out", default=None, help="folder for the round's records and workspaces")
+    parser.add_argument(
+        "--json", default=None, help="write the result here ('-' = stdout; default <out>/eval.json)"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.eval_samples=4")
+    parser.set_defaults(handler=_eval_command)
+
+
+def _eval_command(args: argparse.Namespace) -> int:
+    from gyre_ray.checkpoint import CheckpointError, load_state, require_latest, trainer_dir
+    from gyre_ray.config import ConfigError
+    from gyre_ray.train import resume_config, runs_root
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    overrides = list(args.overrides) + ([f"run.eval_task_set={args.task_set}"] if args.task_set else [])
+    if args.run:
+        if args.config:
+            raise ConfigError("--run uses the run folder's config.json; give overrides, not --config")
+        cfg = resume_config(args.run, overrides)
+        try:
+            saved = require_latest(args.run)
+        except CheckpointError as exc:
+            raise ConfigError(f"cannot evaluate {args.run}: {exc}") from None
+        model_dir, step = trainer_dir(saved), int(load_state(saved)["step"])
+        out = Path(args.out or Path(args.run) / "evals" / stamp)
+    else:
+        cfg = load_config(args.config, overrides)
+        model_dir, step = Path(args.model_dir), 0
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"--model-dir {model_dir}: no config.json (not an HF model folder)")
+        out = Path(args.out or runs_root(cfg.run.run_dir) / f"eval-{stamp}")
+    row = evaluate(cfg, model_dir, out, step)
+    text = json.dumps(row, indent=2)
+    if args.json == "-":
+        print(text)
+    else:
+        target = Path(args.json or out / "eval.json")
+        target.write_text(text + "\n")
+        print(f"gyre-ray eval: {target}")
+    from gyre_ray.evaluation import format_eval
+
+    print(f"gyre-ray eval: {format_eval(row)}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def evaluate(
+    cfg: GyreConfig, model_dir: str | Path, out: str | Path, step: int = 0, execute: Any = None
+) -> dict[str, Any]:
+    """One evaluation round of the policy in `model_dir` (after `step` updates); returns its row."""
+    import ray
+
+    from gyre_ray.evaluation import EvalRunner
+    from gyre_ray.runtime.cluster import Runtime
+    from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
+
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    run = cfg.run.model_copy(update={"eval_every": cfg.run.eval_every or 1})  # a held-out split either way
+    cfg = cfg.model_copy(
+        update={
+            "run": run,
+            "model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())}),
+            "proxy": cfg.proxy.model_copy(update={"records_dir": str(out / "records")}),
+        }
+    )
+    runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
+    workers = None
+    try:
+        workers = RunWorkers.options(name=WORKERS_NAME, namespace=runtime.namespace).remote()
+        runner = EvalRunner(cfg, runtime.store, workers, runtime.proxy.base_url, out, execute)
+        runner.start(step, step)
+        rows = runner.finish(
+            step, timeout_s=cfg.agents.timeout_s * cfg.run.eval_samples * len(runner.tasks) + 600
+        )
+        if not rows:
+            raise TimeoutError("the evaluation round did not end in time")
+    finally:
+        if workers is not None:
+            ray.kill(workers, no_restart=True)
+        runtime.shutdown()
+    return rows[0]

@@ -1,0 +1,223 @@
+"""Evaluation: the current policy on held-out tasks, never trained on, scored per task per step.
+
+    train_tasks, held_out = split_tasks(cfg)          # what the scheduler trains on / what is evaluated
+    runner = EvalRunner(cfg, store, workers, base_url, run_dir)
+    runner.start(step, version)                       # launch one round (eval_samples per held-out task)
+    rows = runner.poll(version)                       # rounds that ended (also appended to eval.jsonl)
+
+The held-out split is `run.eval_task_set` when set (training keeps all of `agents.task_set`), else the
+last `run.eval_holdout` tasks of `agents.task_set`, which training then skips. A round's executions
+run through the proxy and the rollout cells like any other, but no group is formed and nothing is
+trained on them. Sampling uses fixed seeds: the toy harness seeds its calls from the workspace's name,
+and a round's workspaces are named `eval-<task>-<i>` in every round (`workspaces/eval-<step>/...`),
+so rounds differ by the policy, not by the draw. `step` is the number of updates the evaluated policy
+has had; a round starts right after that version is published while training goes on, so its later
+calls may meet the next version when a round outlasts a step: each row says which versions were
+published while it ran (`version`, `version_at_end`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.config import ConfigError, GyreConfig
+from gyre_ray.envs.base import Task, get_task_set
+
+EVAL_FILE = "eval.jsonl"
+
+
+def split_tasks(cfg: GyreConfig) -> tuple[list[Task], list[Task]]:
+    """(training tasks, held-out tasks) of the run; the held-out list is empty when eval is off."""
+    tasks = get_task_set(cfg.agents.task_set)
+    run = cfg.run
+    if not run.eval_every:
+        return tasks, []
+    if run.eval_task_set:
+        return tasks, get_task_set(run.eval_task_set)
+    if len(tasks) <= run.eval_holdout:
+        raise ConfigError(
+            f"agents.task_set {cfg.agents.task_set!r} has {len(tasks)} task(s): holding out "
+            f"run.eval_holdout={run.eval_holdout} would leave none to train on; set run.eval_task_set"
+        )
+    return tasks[: -run.eval_holdout], tasks[-run.eval_holdout :]
+
+
+def eval_task_set_name(cfg: GyreConfig) -> str:
+    """The task set the held-out tasks are looked up in (by id) when an execution runs."""
+    return cfg.run.eval_task_set or cfg.agents.task_set
+
+
+def eval_due(step: int, every: int, last: int) -> bool:
+    """Whether the policy after `step` updates is evaluated: step 0, every `every`-th, and the last."""
+    return every > 0 and (step % every == 0 or step == last)
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One evaluated execution: its store id, its task and its workspace."""
+
+    execution_id: str
+    task_id: str
+    workspace: Path
+
+
+def plan_round(tasks: list[Task], samples: int, step: int, workspaces: Path, tag: str = "") -> list[EvalItem]:
+    """`samples` executions of every held-out task; workspace names repeat across rounds (fixed seeds)."""
+    return [
+        EvalItem(
+            f"{tag}eval{step}-{t.task_id}-{i}",
+            t.task_id,
+            workspaces / f"eval-{step}" / f"eval-{t.task_id}-{i}",
+        )
+        for t in tasks
+        for i in range(samples)
+    ]
+
+
+def summarize(
+    step: int, outcomes: list[Any], threshold: float, version: int, version_at_end: int
+) -> dict[str, Any]:
+    """One round's row: reward and pass rate per task and overall (over executions that got a score)."""
+    by_task: dict[str, list[float]] = {}
+    for o in outcomes:
+        by_task.setdefault(o.task_id, [])
+        if o.valid:
+            by_task[o.task_id].append(float(o.reward))
+    scored = [r for rs in by_task.values() for r in rs]
+    return {
+        "step": step,
+        "version": version,
+        "version_at_end": version_at_end,
+        "executions": len(outcomes),
+        "valid": len(scored),
+        "reward_mean": statistics.fmean(scored) if scored else 0.0,
+        "pass_rate": sum(r >= threshold for r in scored) / len(scored) if scored else 0.0,
+        "tasks": {
+            task: {
+                "reward": statistics.fmean(rs) if rs else 0.0,
+                "pass_rate": sum(r >= threshold for r in rs) / len(rs) if rs else 0.0,
+                "valid": len(rs),
+            }
+            for task, rs in sorted(by_task.items())
+        },
+    }
+
+
+def read_eval(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's evaluation rows (`eval.jsonl`), in the order they ended; [] when there are none."""
+    path = Path(run_dir) / EVAL_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def flat_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """A round as flat `eval/...` scalars (wandb, the progress line)."""
+    flat = {
+        "eval/step": float(row["step"]),
+        "eval/reward_mean": row["reward_mean"],
+        "eval/pass_rate": row["pass_rate"],
+    }
+    for task, figures in row["tasks"].items():
+        flat[f"eval/{task}/reward"] = figures["reward"]
+        flat[f"eval/{task}/pass_rate"] = figures["pass_rate"]
+    return flat
+
+
+@dataclass
+class _Round:
+    step: int
+    version: int
+    items: list[EvalItem]
+    refs: list[Any]
+
+
+class EvalRunner:
+    """Launches evaluation rounds as executions of the run's `workers` actor and collects their rows."""
+
+    def __init__(
+        self,
+        cfg: GyreConfig,
+        store: Any,
+        workers: Any,
+        base_url: str,
+        run_dir: str | Path,
+        execute: Any = None,
+        tag: str = "",
+    ) -> None:
+        from gyre_ray.agents.launch import run_planned_execution
+
+        self.cfg = cfg
+        self.tasks = split_tasks(cfg)[1]
+        if not self.tasks:
+            raise ValueError("no held-out tasks to evaluate (run.eval_every is 0)")
+        self.task_set = eval_task_set_name(cfg)
+        self.store, self.workers, self.base_url = store, workers, base_url
+        self.run_dir = Path(run_dir)
+        self.execute = execute or run_planned_execution
+        self.tag = tag
+        self.rounds: list[_Round] = []
+        self.done_steps = {row["step"] for row in read_eval(self.run_dir)}
+
+    def start(self, step: int, version: int) -> bool:
+        """Launch the round of the policy after `step` updates (unless one already ran); True if launched."""
+        import ray
+
+        from gyre_ray.agents.runner import Endpoint
+
+        if step in self.done_steps or any(r.step == step for r in self.rounds):
+            return False
+        items = plan_round(self.tasks, self.cfg.run.eval_samples, step, self.run_dir / "workspaces", self.tag)
+        keys = ray.get(
+            [self.store.register.remote(i.execution_id, {"task_id": i.task_id, "eval": True}) for i in items],
+            timeout=60,
+        )
+        agents = self.cfg.agents.model_dump()
+        refs = [
+            self.workers.execute.remote(
+                self.execute,
+                item.execution_id,
+                self.task_set,
+                item.task_id,
+                Endpoint(self.base_url, key["api_key"]),
+                str(item.workspace),
+                agents,
+            )  # fmt: skip
+            for item, key in zip(items, keys, strict=True)
+        ]
+        self.rounds.append(_Round(step, version, items, refs))
+        return True
+
+    def poll(self, version: int, timeout_s: float = 0.0) -> list[dict[str, Any]]:
+        """Rows of the rounds that have ended (waiting up to `timeout_s` for them), appended to eval.jsonl."""
+        import ray
+
+        rows = []
+        for rnd in list(self.rounds):
+            ready, _ = ray.wait(rnd.refs, num_returns=len(rnd.refs), timeout=timeout_s)
+            if len(ready) < len(rnd.refs):
+                continue
+            outcomes = ray.get(rnd.refs)
+            row = summarize(rnd.step, outcomes, self.cfg.run.eval_pass_threshold, rnd.version, version)
+            with open(self.run_dir / EVAL_FILE, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            self.rounds.remove(rnd)
+            self.done_steps.add(rnd.step)
+            rows.append(row)
+        return rows
+
+    def finish(self, version: int, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
+        """Wait for every round under way; returns their rows."""
+        return self.poll(version, timeout_s=timeout_s)
+
+
+def format_eval(row: dict[str, Any]) -> str:
+    tasks = ", ".join(f"{t} {f['reward']:.3f}" for t, f in row["tasks"].items())
+    return (
+        f"eval of step {row['step']} (v{row['version']}): reward {row['reward_mean']:.3f}, pass rate "
+        f"{row['pass_rate']:.2f} over {row['valid']}/{row['executions']} scored; per task: {tasks}"
+    )

@@ -1,0 +1,111 @@
+"""Resuming a run in its own folder: `gyre-ray train --resume RUN_DIR [run.steps=N ...]`.
+
+The newest complete checkpoint (`gyre_ray.checkpoint.latest`) says where the run stopped: step S
+(updates done). Before the run goes on, what the folder holds of steps >= S (a crashed segment's call
+records, workspaces, metric rows and evaluation rounds after the checkpoint) is moved under
+`abandoned/<time>/`, so the store never appends to an old record file and every figure counts each
+step once. When the run ends, its trace, spans and switch events are merged after those of the
+earlier segment (times shifted to follow it), so `gyre-ray report` draws the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.evaluation import EVAL_FILE
+
+_TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
+_EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
+    """Set aside what the folder holds of steps >= `first_step`; returns {"moved": n, "to": folder}."""
+    run_dir = Path(run_dir)
+    kept_eval = [r for r in _read_jsonl(run_dir / EVAL_FILE) if r["step"] <= first_step]
+    evaluated = {r["step"] for r in kept_eval}
+    aside = run_dir / "abandoned" / time.strftime("%Y%m%d-%H%M%S")
+
+    def after(name: str) -> bool:
+        if m := _TRAIN_ID.match(name):
+            return int(m.group(1)) >= first_step
+        if m := _EVAL_ID.match(name):
+            step = int(m.group(1))
+            return step > first_step or step not in evaluated  # a round with no row is run again
+        return False
+
+    moved = 0
+    for folder in ("records", "workspaces"):
+        for path in sorted((run_dir / folder).glob("*")) if (run_dir / folder).is_dir() else []:
+            if after(path.name):
+                (aside / folder).mkdir(parents=True, exist_ok=True)
+                shutil.move(str(path), str(aside / folder / path.name))
+                moved += 1
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        _write_jsonl(metrics, [r for r in _read_jsonl(metrics) if r["step"] < first_step])
+    if (run_dir / EVAL_FILE).is_file():
+        _write_jsonl(run_dir / EVAL_FILE, kept_eval)
+    return {"moved": moved, "to": str(aside) if moved else None}
+
+
+def earlier_steps(run_dir: str | Path, first_step: int) -> list[dict[str, Any]]:
+    """The step metrics of the steps before `first_step` (from metrics.jsonl)."""
+    return [r for r in _read_jsonl(Path(run_dir) / "metrics.jsonl") if r["step"] < first_step]
+
+
+def segment_offset(run_dir: str | Path, first_step: int) -> float:
+    """Where the resumed segment's clock starts: the end of the earlier segment's last execution or span."""
+    run_dir = Path(run_dir)
+    trace = [r for r in _read_jsonl(run_dir / "trace.jsonl") if r["step"] < first_step]
+    spans = _summary(run_dir).get("spans", [])
+    return max([r["end"] for r in trace] + [s[3] for s in spans], default=0.0)
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def shift(row: dict[str, Any], keys: tuple[str, ...], offset: float) -> dict[str, Any]:
+    """`row` with the times under `keys` moved by `offset` seconds."""
+    return {**row, **{k: round(row[k] + offset, 4) for k in keys if k in row}}
+
+
+def merge_segments(
+    run_dir: str | Path, first_step: int, offset: float, result: dict[str, Any]
+) -> dict[str, Any]:
+    """`result` (what `scheduler.run` returned for steps >= first_step) with the earlier segment's trace
+    rows, spans, switch events and step metrics in front; the new times shifted by `offset`."""
+    run_dir = Path(run_dir)
+    before = _summary(run_dir)
+    merged = dict(result)
+    merged["trace"] = [r for r in _read_jsonl(run_dir / "trace.jsonl") if r["step"] < first_step] + [
+        shift(r, ("start", "end"), offset) for r in result["trace"]
+    ]
+    merged["spans"] = [tuple(s) for s in before.get("spans", []) if s[3] <= offset] + [
+        (c, k, round(lo + offset, 4), round(hi + offset, 4)) for c, k, lo, hi in result["spans"]
+    ]
+    merged["switches"] = [e for e in before.get("switches", []) if e.get("batch", 0) < first_step] + [
+        shift(e, ("at_s",), offset) for e in result["switches"]
+    ]
+    merged["steps"] = earlier_steps(run_dir, first_step) + [
+        shift(m, ("published_at_s",), offset) for m in result["steps"]
+    ]
+    return merged

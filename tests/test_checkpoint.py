@@ -1,0 +1,123 @@
+"""Run checkpoints are atomic (never half a checkpoint), the newest complete one is found, old ones are
+pruned, and a resumed folder sets aside what came after it (the trainer's own save/load round trip is
+tests/test_trainer_torch.py's; the whole resume, tests/test_resume_job.py's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre_ray import checkpoint
+from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
+
+
+def _write_marker(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "weights.bin").write_bytes(b"w")
+
+
+def test_save_then_latest_finds_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    assert checkpoint.latest(tmp_path) is None
+    first = checkpoint.save(tmp_path, 2, _write_marker, {"version": 2}, keep=0)
+    second = checkpoint.save(tmp_path, 4, _write_marker, {"version": 4}, keep=0)
+    assert first.name == "step-000002" and checkpoint.latest(tmp_path) == second
+    assert checkpoint.load_state(second) == {"version": 4, "step": 4}
+    assert (checkpoint.trainer_dir(second) / "weights.bin").is_file()
+
+
+def test_a_failed_save_leaves_no_checkpoint_and_the_previous_one_stands(tmp_path: Path) -> None:
+    good = checkpoint.save(tmp_path, 1, _write_marker, {})
+
+    def dies_half_way(folder: Path) -> None:
+        _write_marker(folder)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(tmp_path, 2, dies_half_way, {})
+    assert checkpoint.latest(tmp_path) == good
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]
+
+
+def test_partial_folders_of_a_crash_are_never_resumed_from(tmp_path: Path) -> None:
+    good = checkpoint.save(tmp_path, 1, _write_marker, {})
+    crashed = tmp_path / "checkpoints" / ".step-000002.partial-dead"
+    _write_marker(crashed / "trainer")  # the process died before state.json and the rename
+    no_state = tmp_path / "checkpoints" / "step-000003"
+    _write_marker(no_state / "trainer")  # a folder without state.json is not complete either
+    assert checkpoint.latest(tmp_path) == good
+    checkpoint.save(tmp_path, 4, _write_marker, {}, keep=0)
+    assert not crashed.exists(), "the next save removes a crashed partial folder"
+
+
+def test_save_keeps_only_the_newest(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        checkpoint.save(tmp_path, step, _write_marker, {}, keep=2)
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
+
+
+def test_require_latest_says_why_there_is_nothing_to_resume(tmp_path: Path) -> None:
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint"):
+        checkpoint.require_latest(tmp_path)
+    with pytest.raises(checkpoint.CheckpointError, match="not a folder"):
+        checkpoint.require_latest(tmp_path / "nope")
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_prepare_resume_sets_aside_what_came_after_the_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "records").mkdir()
+    (tmp_path / "workspaces").mkdir()
+    for name in (
+        "s0-vowels-0",
+        "s1-digits-0",
+        "s2-vowels-0",
+        "s10-vowels-1",
+        "eval2-greeting-0",
+        "eval1-greeting-0",
+    ):
+        (tmp_path / "records" / f"{name}.jsonl").write_text("{}\n")
+    for name in ("s1-digits-0", "s2-vowels-0", "s2-vowels-0.home", "eval-1", "eval-2"):
+        (tmp_path / "workspaces" / name).mkdir()
+    _jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(4)])
+    _jsonl(tmp_path / "eval.jsonl", [{"step": 0}, {"step": 1}, {"step": 3}])  # step 2's round never ended
+    moved = prepare_resume(tmp_path, 2)
+    assert moved["moved"] == 6
+    assert sorted(p.stem for p in (tmp_path / "records").iterdir()) == [
+        "eval1-greeting-0",
+        "s0-vowels-0",
+        "s1-digits-0",
+    ]
+    assert sorted(p.name for p in (tmp_path / "workspaces").iterdir()) == ["eval-1", "s1-digits-0"]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert [json.loads(x)["step"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == [0, 1]
+    assert (Path(moved["to"]) / "records" / "s10-vowels-1.jsonl").is_file()
+
+
+def test_merge_segments_puts_the_resumed_times_after_the_earlier_ones(tmp_path: Path) -> None:
+    _jsonl(
+        tmp_path / "trace.jsonl",
+        [{"step": 0, "start": 0.0, "end": 5.0}, {"step": 1, "start": 6.0, "end": 9.0}],
+    )
+    _jsonl(
+        tmp_path / "metrics.jsonl", [{"step": 0, "published_at_s": 6.0}, {"step": 1, "published_at_s": 10.0}]
+    )
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "spans": [["cell-0", "rollout", 0.0, 10.0]], "switches": [{"batch": 0, "at_s": 5.0}, {"batch": 1, "at_s": 9.0}],
+    }))  # fmt: skip
+    offset = segment_offset(tmp_path, 1)  # resumed at step 1: step 1 of the earlier segment is redone
+    assert offset == 10.0
+    new = {
+        "trace": [{"step": 1, "start": 0.5, "end": 3.0}],
+        "spans": [("cell-0", "rollout", 0.0, 4.0)],
+        "switches": [{"batch": 1, "at_s": 2.0}],
+        "steps": [{"step": 1, "published_at_s": 4.0}],
+    }
+    merged = merge_segments(tmp_path, 1, offset, new)
+    assert [(r["step"], r["start"]) for r in merged["trace"]] == [(0, 0.0), (1, 10.5)]
+    assert merged["spans"] == [("cell-0", "rollout", 0.0, 10.0), ("cell-0", "rollout", 10.0, 14.0)]
+    assert [e["at_s"] for e in merged["switches"]] == [5.0, 12.0]
+    assert [(m["step"], m["published_at_s"]) for m in merged["steps"]] == [(0, 6.0), (1, 14.0)]

@@ -1,0 +1,71 @@
+"""Evaluation's pure parts: the held-out split, which steps are evaluated, fixed-seed workspace names,
+the per-task score and pass rate of a round, and the flat figures wandb gets (the round on a real run
+is tests/test_resume_job.py's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.config import load_config
+from gyre_ray.envs.base import get_task_set
+from gyre_ray.evaluation import eval_due, flat_metrics, plan_round, split_tasks, summarize
+from gyre_ray.observability.metrics import flatten
+
+
+def test_the_held_out_tasks_are_never_trained_on() -> None:
+    every = [t.task_id for t in get_task_set("toy")]
+    train, held = split_tasks(load_config(None, ["run.eval_every=2", "run.eval_holdout=2"]))
+    assert [t.task_id for t in held] == every[-2:] and [t.task_id for t in train] == every[:-2]
+    train, held = split_tasks(load_config(None, []))  # evaluation off: training keeps every task
+    assert [t.task_id for t in train] == every and held == []
+    train, held = split_tasks(load_config(None, ["run.eval_every=1", "run.eval_task_set=longtail"]))
+    assert [t.task_id for t in train] == every and held  # another set: training keeps its own whole
+
+
+def test_holding_out_every_task_is_refused() -> None:
+    with pytest.raises(ValueError, match="would leave none to train on"):
+        split_tasks(load_config(None, ["run.eval_every=1", "run.eval_holdout=4"]))
+
+
+def test_eval_is_due_at_the_start_every_n_steps_and_at_the_end() -> None:
+    assert [s for s in range(8) if eval_due(s, 3, 7)] == [0, 3, 6, 7]
+    assert not any(eval_due(s, 0, 7) for s in range(8))
+
+
+def test_rounds_reuse_workspace_names_so_the_toy_harness_draws_the_same_seeds(tmp_path: Path) -> None:
+    tasks = get_task_set("toy")[-1:]
+    first, later = plan_round(tasks, 2, 0, tmp_path), plan_round(tasks, 2, 6, tmp_path)
+    assert [i.workspace.name for i in first] == [i.workspace.name for i in later]
+    assert {i.execution_id for i in first}.isdisjoint(i.execution_id for i in later)
+    assert len({i.workspace for i in first + later}) == 4
+
+
+@dataclass
+class Outcome:
+    task_id: str
+    reward: float
+    valid: bool = True
+
+
+def test_a_round_scores_each_task_over_its_scored_executions() -> None:
+    outcomes = [Outcome("a", 1.0), Outcome("a", 0.5), Outcome("b", 0.25), Outcome("b", 0.0, valid=False)]
+    row = summarize(4, outcomes, threshold=1.0, version=4, version_at_end=5)
+    assert row["tasks"] == {
+        "a": {"reward": 0.75, "pass_rate": 0.5, "valid": 2},
+        "b": {"reward": 0.25, "pass_rate": 0.0, "valid": 1},
+    }
+    assert (row["valid"], row["executions"]) == (3, 4)
+    assert row["reward_mean"] == pytest.approx(1.75 / 3) and row["pass_rate"] == pytest.approx(1 / 3)
+    flat = flat_metrics(row)
+    assert flat["eval/step"] == 4 and flat["eval/a/pass_rate"] == 0.5 and flat["eval/b/reward"] == 0.25
+
+
+def test_every_number_of_a_step_reaches_wandb_flattened() -> None:
+    step = {"loss": 0.5, "staleness": {"max": 1, "mean": 0.5}, "trained_by_cell": {"cell-0": 3},
+            "switches": [{"cell": "cell-0"}], "skipped": "no update", "exact": True}  # fmt: skip
+    assert flatten(step) == {
+        "loss": 0.5, "staleness/max": 1, "staleness/mean": 0.5, "trained_by_cell/cell-0": 3, "exact": 1,
+    }  # fmt: skip
