@@ -504,3 +504,34 @@ def test_a_server_that_dies_while_starting_is_reported_with_its_log() -> None:
     ):
         server.wait_healthy(timeout_s=30, poll_s=0.1)
     server.stop()
+
+
+def test_a_cells_engine_factory_gives_sglang_the_folder_without_loading_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gyre_ray.model
+    from gyre_ray.cells.factories import PolicyEngineFactory
+    from gyre_ray.engines.testing import small_args
+    from gyre_ray.model.checkpoint import save_hf
+
+    policy = small_model(args=small_args(vocab_size=8192))  # fits the default tokenizer
+    folder = save_hf(policy, policy.args, tmp_path / "policy")
+    backing = small_engine(small_model(args=small_args(vocab_size=8192)))
+    server = FakeSGLang(backing)
+
+    def no_weights(section):
+        raise AssertionError("the policy's weights were loaded for an SGLang cell")
+
+    monkeypatch.setattr(gyre_ray.model, "load_policy", no_weights)
+    factory = PolicyEngineFactory({"path": str(folder)}, {"backend": "sglang", "sglang": {"url": server.url}})
+    try:
+        engine = factory()
+        request = GenerateRequest("pf", token_prompt(6), GREEDY)
+        got = asyncio.run(engine.generate(request))
+        engine.shutdown()
+    finally:
+        server.close()
+        backing.shutdown()
+    assert isinstance(engine, SGLangEngine) and engine.vocab_size == 8192
+    assert got.output_ids == generate_alone(policy, request).output_ids
+    assert engine.stop_token_ids  # the tokenizer's stop ids reach the server

@@ -24,13 +24,18 @@ class PolicyEngineFactory:
     def __call__(self) -> RolloutEngine:
         from gyre_ray.engines.config import EngineSection
         from gyre_ray.engines.factory import make_engine
-        from gyre_ray.model import load_policy
+        from gyre_ray.model import load_policy, load_tokenizer_and_args
         from gyre_ray.model.config import ModelSection
 
         section = ModelSection.model_validate(self.model)
-        model, tokenizer, args = load_policy(section)
+        engine = EngineSection.model_validate(self.engine)
+        if engine.backend == "sglang" and section.path:  # its server loads the folder: no torch copy here
+            model = None
+            tokenizer, args = load_tokenizer_and_args(section)
+        else:
+            model, tokenizer, args = load_policy(section)
         return make_engine(
-            EngineSection.model_validate(self.engine),
+            engine,
             model,
             args,
             version=self.version,

@@ -41,7 +41,10 @@ class SGLangOptions(Section):
         600.0, gt=0, description="Longest wait for a started server to be healthy."
     )
     request_timeout_s: float = Field(
-        3600.0, gt=0, description="Longest a single HTTP call to the server may take (generation included)."
+        3600.0,
+        gt=0,
+        description="Longest the server may stay silent during one HTTP call (a stream's tokens keep it "
+        "alive); past it the call fails naming the cell.",
     )
     connect_timeout_s: float = Field(
         10.0,

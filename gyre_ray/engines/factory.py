@@ -12,15 +12,23 @@ from gyre_ray.model.arch import ModelArgs
 
 
 def make_engine(
-    section: EngineSection, model: torch.nn.Module, args: ModelArgs, *, version: int = 0, **options: Any
+    section: EngineSection,
+    model: torch.nn.Module | None,
+    args: ModelArgs,
+    *,
+    version: int = 0,
+    **options: Any,
 ) -> RolloutEngine:
     """An engine for `section.backend`: "torch" (in this process) or "sglang" (a server per cell, GPU).
 
     `options` go to the backend (e.g. `stop_token_ids`; torch: `free_weights_on_release`; sglang:
     `model_dir`, the HF folder its server loads, see `gyre_ray.engines.sglang.launch_engine`).
+    `model` may be None only for sglang with a `model_dir`.
     """
     if section.backend == "torch":
         options.pop("model_dir", None)
+        if model is None:
+            raise ValueError("engine.backend=torch needs the policy model in this process")
         from gyre_ray.engines.torch_engine import TorchEngine
 
         return TorchEngine(

@@ -85,6 +85,8 @@ def launch_engine(
         if model_dir is None:
             from gyre_ray.model.checkpoint import save_hf
 
+            if model is None:
+                raise ValueError(f"cell {cell_id}: the SGLang engine needs model_dir or the model to save")
             model_dir = str(save_hf(model, args, tempfile.mkdtemp(prefix=f"gyre-sglang-{cell_id}-model-")))
             owned.append(model_dir)
         port = free_port()
