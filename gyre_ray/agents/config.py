@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from gyre_ray.configbase import Section
 
-NAMED_TASK_SETS = ("toy", "nl2repo-mini", "longtail")
+NAMED_TASK_SETS = ("toy", "words", "nl2repo-mini", "longtail")
 
 
 class AgentSection(Section):
@@ -30,7 +30,7 @@ class AgentSection(Section):
     )
     task_set: str = Field(
         "toy",
-        description="A named task set (toy, nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
+        description="A named task set (toy, words: the learnable default job, nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
         "or the path of a .jsonl/.yaml task file (format in docs/harnesses.md).",
     )
     timeout_s: float = Field(
