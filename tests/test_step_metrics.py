@@ -49,18 +49,18 @@ def test_rewards_by_task_and_trend() -> None:
 
 @pytest.mark.parametrize(
     ("text", "reward"),
-    [("red gold red\n", 1.0), ("red cat\nblue owl\n", 0.25), ("", 0.0), ('{"text": "gold"}', 0.5)],
+    [("hour day hour\n", 1.0), ("hour box\nweek key\n", 0.25), ("", 0.0), ('{"text": "day"}', 0.5)],
 )
 def test_word_share_evaluator(tmp_path: Path, text: str, reward: float) -> None:
     (tmp_path / "answer.txt").write_text(text)
-    assert word_share_evaluator(("red", "gold"))(tmp_path).reward == pytest.approx(reward)
+    assert word_share_evaluator(("hour", "day"))(tmp_path).reward == pytest.approx(reward)
 
 
-def test_words_task_set_targets_pool_colours(tmp_path: Path) -> None:
+def test_words_task_set_targets_two_pool_words(tmp_path: Path) -> None:
     tasks = get_task_set("words")
     assert len(tasks) == 4
     for task in tasks:
         assert "write_file" in task.prompt
         (tmp_path / "answer.txt").write_text(" ".join(WORD_POOL))
         assert task.evaluate(tmp_path).reward == pytest.approx(2 / len(WORD_POOL))
-    assert word_share_evaluator(("red",))(tmp_path / "missing").reward == 0.0
+    assert word_share_evaluator(("hour",))(tmp_path / "missing").reward == 0.0

@@ -71,6 +71,13 @@ class AgentSection(Section):
     )
     toy_turns: int = Field(2, ge=1, description="Main-agent turns of the toy harness before its retry.")
     toy_max_tokens: int = Field(16, ge=1, description="max_tokens of each toy-harness model call.")
+    toy_top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="top_p of each toy-harness model call (below 1 the rare tokens a warmed-up policy would "
+        "break its tool-call format with are never sampled).",
+    )
 
     @field_validator("task_set")
     @classmethod

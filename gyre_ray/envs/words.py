@@ -1,11 +1,13 @@
 """The `words` task set: the learnable default of `make run`, with a small answer space.
 
-Every task asks the agent to save two colour words with write_file; the evaluator scores the share of
-the words in `answer.txt` that are the task's two colours. The warm-up (`gyre_ray.warmup`) teaches the
+Every task asks the agent to save two words for units of time with write_file; the evaluator scores the
+share of the words in `answer.txt` that are the task's two. The warm-up (`gyre_ray.warmup`) teaches the
 random tiny policy the chat and tool-call format with replies drawn uniformly from `WORD_POOL` (four
-colours, four animals), so RL starts from a policy that writes pool words at random: reward ~0.25
-(2 of 8 words), 0.5 once it writes only colours, 1.0 once it writes the task's own pair. Executions
-of one task differ in reward (each writes about a dozen words), so group advantages carry signal.
+units of time, four objects; each word is one token of the tiny tokenizer, with or without a leading
+space, so a word is one choice), so RL starts from a policy that writes pool words at random: reward
+~0.25 (2 of 8 words), 0.5 once it writes only units of time, 1.0 once it writes the task's own pair.
+Executions of one task differ in reward (each writes about a dozen words), so group advantages carry
+signal.
 """
 
 from __future__ import annotations
@@ -16,15 +18,15 @@ from pathlib import Path
 from gyre_ray.envs.base import EvalResult, Evaluator, Task
 from gyre_ray.envs.toy import read_answer
 
-COLOURS = ("red", "gold", "blue", "green")
-ANIMALS = ("cat", "dog", "owl", "fox")
-WORD_POOL = COLOURS + ANIMALS
+TIME_WORDS = ("hour", "day", "week", "year")
+OBJECTS = ("tree", "box", "key", "map")
+WORD_POOL = TIME_WORDS + OBJECTS
 
 _WORD_SPECS = (
-    ("sunset", "Save the colours of a sunset with write_file: red and gold.", ("red", "gold")),
-    ("flag", "Save the colours of the flag with write_file: red and blue.", ("red", "blue")),
-    ("field", "Save the colours of a field at noon with write_file: gold and green.", ("gold", "green")),
-    ("sea", "Save the colours of the sea with write_file: blue and green.", ("blue", "green")),
+    ("hour-day", "Save two units of time with write_file: hour and day.", ("hour", "day")),
+    ("hour-week", "Save two units of time with write_file: hour and week.", ("hour", "week")),
+    ("day-year", "Save two units of time with write_file: day and year.", ("day", "year")),
+    ("week-year", "Save two units of time with write_file: week and year.", ("week", "year")),
 )
 
 
