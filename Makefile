@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-RUN_CONFIG ?= jobs/configs/learn.yaml
+RUN_CONFIG ?= jobs/configs/toy.yaml
 # The real harnesses' versions: pinned here and nowhere else (their tests check the installed ones).
 CLAUDE_CODE_VERSION ?= 2.1.197
 CODEX_VERSION ?= 0.171.0

@@ -30,7 +30,7 @@ class AgentSection(Section):
     )
     task_set: str = Field(
         "toy",
-        description="A named task set (toy, words: the learnable default job, nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
+        description="A named task set (toy, words: a small answer space (docs/learning.md), nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
         "or the path of a .jsonl/.yaml task file (format in docs/harnesses.md).",
     )
     timeout_s: float = Field(

@@ -99,7 +99,7 @@ NAMED_SETS = ("toy", "words", "nl2repo-mini", "longtail")
 
 
 def get_task_set(name: str) -> list[Task]:
-    """The tasks of a named set (`toy`: the CPU demo; `words`: the learnable job of `make run`;
+    """The tasks of a named set (`toy`: the CPU demo; `words`: small answer space, for the warm-up job;
     `nl2repo-mini`: build-a-package tasks scored by hidden tests; `longtail`: the toy tasks with nl2repo-like durations) or of a task file (a path ending
     in .jsonl, .yaml or .yml; see docs/harnesses.md)."""
     if name == "toy":

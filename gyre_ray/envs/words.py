@@ -1,4 +1,4 @@
-"""The `words` task set: the learnable default of `make run`, with a small answer space.
+"""The `words` task set: a small answer space for RL after the warm-up (jobs/configs/learn.yaml).
 
 Every task asks the agent to save two words for units of time with write_file; the evaluator scores the
 share of the words in `answer.txt` that are the task's two. The warm-up (`gyre_ray.warmup`) teaches the
