@@ -26,6 +26,7 @@ from gyre_ray.sim.config import SimSection
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.transfer.config import TransferSection
+from gyre_ray.warmup.config import WarmupSection
 
 
 class RunSection(Section):
@@ -111,6 +112,9 @@ class GyreConfig(Section):
         description="What moves between cells (weights, gradients, KV), and how.",
     )
     cells: CellsSection = Field(default_factory=CellsSection, description="Cells (placement groups).")
+    warmup: WarmupSection = Field(
+        default_factory=WarmupSection, description="Supervised warm-up before RL (off by default)."
+    )
 
 
 class ConfigError(ValueError):

@@ -111,7 +111,9 @@ def train(
     from gyre_ray.observability.metrics import MetricsLogger
     from gyre_ray.runtime.cluster import Runtime
     from gyre_ray.runtime.report import write_costs, write_trace
+    from gyre_ray.warmup.sft import prepare_policy
 
+    cfg = prepare_policy(cfg, runs_root(cfg.run.run_dir))  # the warm-up (a no-op when it is off)
     split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
     first_step, offset, checkpoint_in = 0, 0.0, None
     if resume is None:
@@ -271,7 +273,7 @@ def _progress_note(snapshot: dict[str, Any]) -> str:
 def format_step(m: dict[str, Any]) -> str:
     text = (
         f"{m['valid']}/{m['executions']} executions scored (timeouts {m['timed_out']}), "
-        f"reward {m['reward_mean']:.3f}, {m['calls']} model calls, paths {m['paths_selected']}/{m['paths_total']} kept, "
+        f"reward {m['reward_mean']:.3f}{_task_rewards(m)}, {m['calls']} model calls, paths {m['paths_selected']}/{m['paths_total']} kept, "
         f"tokens {m['tokens_expanded_all']} expanded -> {m['tokens_packed_selected']} packed, "
         f"{m['loss_tokens']} loss tokens"
     )
@@ -279,6 +281,11 @@ def format_step(m: dict[str, Any]) -> str:
         text += f", loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}"
         if "logprob_gap_max" in m:
             text += f", engine/trainer logprob gap {m['logprob_gap_max']:.2e}"
+        if "nll_mean" in m:
+            text += (
+                f", sampled-token NLL {m['nll_mean']:.3f} nats, KL(behaviour||policy) {m['kl_behaviour']:.2e}, "
+                f"clip fraction {m['clip_fraction']:.2f}"
+            )
         trained = ", ".join(f"{cell} {n}" for cell, n in sorted(m.get("trained_by_cell", {}).items()))
         text += f", micro-batches trained by cell: {trained}, weights v{m['version']}"
     switches = m.get("switches", [])
@@ -294,9 +301,28 @@ def format_step(m: dict[str, Any]) -> str:
     return text
 
 
+def _task_rewards(m: dict[str, Any]) -> str:
+    by_task = m.get("reward_by_task") or {}
+    return f" ({', '.join(f'{t} {r:.3f}' for t, r in by_task.items())})" if by_task else ""
+
+
+def reward_trend(steps: list[dict[str, Any]], window: int = 3) -> str:
+    """Mean reward of the first `window` steps vs the last `window`, and every step's mean reward."""
+    rewards = [float(m["reward_mean"]) for m in steps]
+    if not rewards:
+        return "reward trend: no steps"
+    k = min(window, len(rewards))
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    return (
+        f"reward trend: first {k} step(s) {first:.3f} -> last {k} step(s) {last:.3f} ({last - first:+.3f}); "
+        f"per step {' '.join(f'{r:.2f}' for r in rewards)}"
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"gyre-ray train: {len(summary['steps'])} step(s) done"]
     lines += [f"  step {m['step']}: {format_step(m)}" for m in summary["steps"]]
+    lines.append(f"  {reward_trend(summary['steps'])}")
     run_dir = summary["run_dir"]
     lines.append(
         f"  run folder: {run_dir} (records/, metrics.jsonl, summary.json, trace.jsonl, costs.json, workspaces/)"

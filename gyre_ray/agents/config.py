@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from gyre_ray.configbase import Section
 
-NAMED_TASK_SETS = ("toy", "nl2repo-mini", "longtail")
+NAMED_TASK_SETS = ("toy", "words", "nl2repo-mini", "longtail")
 
 
 class AgentSection(Section):
@@ -30,7 +30,7 @@ class AgentSection(Section):
     )
     task_set: str = Field(
         "toy",
-        description="A named task set (toy, nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
+        description="A named task set (toy, words: a small answer space (docs/learning.md), nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
         "or the path of a .jsonl/.yaml task file (format in docs/harnesses.md).",
     )
     timeout_s: float = Field(
@@ -71,6 +71,13 @@ class AgentSection(Section):
     )
     toy_turns: int = Field(2, ge=1, description="Main-agent turns of the toy harness before its retry.")
     toy_max_tokens: int = Field(16, ge=1, description="max_tokens of each toy-harness model call.")
+    toy_top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="top_p of each toy-harness model call (below 1 the rare tokens a warmed-up policy would "
+        "break its tool-call format with are never sampled).",
+    )
 
     @field_validator("task_set")
     @classmethod

@@ -78,6 +78,7 @@ def run_planned_execution(
         env = {
             "GYRE_TOY_TURNS": str(cfg.toy_turns),
             "GYRE_TOY_MAX_TOKENS": str(cfg.toy_max_tokens),
+            "GYRE_TOY_TOP_P": str(cfg.toy_top_p),
             **spec.env,
         }
         return run_execution(

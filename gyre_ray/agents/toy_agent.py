@@ -40,8 +40,11 @@ SUMMARY_PROMPT = "Summarize the conversation so far for a fresh context."
 class ToyAgent:
     """One execution of the toy harness."""
 
-    def __init__(self, client, workspace: Path, task: str, seed: int, max_tokens: int = 16) -> None:
+    def __init__(
+        self, client, workspace: Path, task: str, seed: int, max_tokens: int = 16, top_p: float = 1.0
+    ) -> None:
         self.client = client
+        self.top_p = top_p
         self.workspace = workspace
         self.task = task
         self.seed = seed
@@ -61,6 +64,7 @@ class ToyAgent:
             tools=[WRITE_FILE_TOOL] if tools else None,
             max_tokens=self.max_tokens,
             temperature=1.0,
+            top_p=self.top_p,
             seed=self.seed + self.calls,
             extra_headers={"X-Gyre-Role": role},
         )
@@ -141,7 +145,12 @@ def main() -> int:
     seed = zlib.crc32(workspace.resolve().name.encode()) % 100_000
     client = OpenAI(timeout=600.0, max_retries=0)
     agent = ToyAgent(
-        client, workspace, task, seed, max_tokens=int(os.environ.get("GYRE_TOY_MAX_TOKENS", "16"))
+        client,
+        workspace,
+        task,
+        seed,
+        max_tokens=int(os.environ.get("GYRE_TOY_MAX_TOKENS", "16")),
+        top_p=float(os.environ.get("GYRE_TOY_TOP_P", "1.0")),
     )
     agent.run(turns=int(os.environ.get("GYRE_TOY_TURNS", "2")))
     print(f"toy_agent: done after {agent.calls} model calls")

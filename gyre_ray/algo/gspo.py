@@ -55,6 +55,7 @@ def _ratio_metrics(
         "ratio_min": float(ratio.min()),
         "ratio_max": float(ratio.max()),
         "clip_fraction": float(clipped.float().mean()),
+        "clipped_sequences": int(clipped.sum()),
         "log_ratio_abs_mean": float(lr.abs().mean()),
     }
 
@@ -125,7 +126,21 @@ def tree_gspo_loss(
     metrics["executions"] = batch.num_executions
     # Behaviour (engine) vs current (trainer) log-probs: 0 on-policy, up to numerics.
     metrics["logprob_gap_max"] = float(log_ratio.detach().abs().max()) if bool(mask.any()) else 0.0
+    metrics.update(behaviour_sums(log_probs.detach(), old, mask))
     return loss, metrics
+
+
+def behaviour_sums(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Sums over the loss tokens (each shared token once) that add up across micro-batches:
+    `nll_sum` of the sampled tokens' negative behaviour log-probs (a sample estimate of the sampling
+    policy's entropy) and `kl_sum` of the k3 estimate of KL(behaviour || current),
+    exp(d) - 1 - d with d = log pi(y_t) - log pi_old(y_t) (unbiased, >= 0, 0 on-policy)."""
+    d = torch.where(mask, log_probs - old_log_probs, torch.zeros_like(log_probs))
+    k3 = torch.where(mask, d.exp() - 1.0 - d, torch.zeros_like(d))
+    return {
+        "nll_sum": float(-torch.where(mask, old_log_probs, torch.zeros_like(old_log_probs)).sum()),
+        "kl_sum": float(k3.sum()),
+    }
 
 
 def step_scale(batches: list[MicroBatch]) -> float:

@@ -95,17 +95,21 @@ def evaluate_with_retries(task: Task, ctx: EvalContext, budget_s: float) -> Eval
     return result
 
 
-NAMED_SETS = ("toy", "nl2repo-mini", "longtail")
+NAMED_SETS = ("toy", "words", "nl2repo-mini", "longtail")
 
 
 def get_task_set(name: str) -> list[Task]:
-    """The tasks of a named set (`toy`: the CPU demo; `nl2repo-mini`: build-a-package tasks scored by
-    hidden tests; `longtail`: the toy tasks with nl2repo-like durations) or of a task file (a path ending
+    """The tasks of a named set (`toy`: the CPU demo; `words`: small answer space, for the warm-up job;
+    `nl2repo-mini`: build-a-package tasks scored by hidden tests; `longtail`: the toy tasks with nl2repo-like durations) or of a task file (a path ending
     in .jsonl, .yaml or .yml; see docs/harnesses.md)."""
     if name == "toy":
         from gyre_ray.envs.toy import toy_tasks
 
         return toy_tasks()
+    if name == "words":
+        from gyre_ray.envs.words import word_tasks
+
+        return word_tasks()
     if name == "longtail":
         from gyre_ray.envs.longtail import longtail_tasks
 

@@ -15,6 +15,18 @@ from gyre_ray.envs.base import EvalResult, Evaluator, Task
 ANSWER_FILE = "answer.txt"
 
 
+def read_answer(workspace: Path) -> str | EvalResult:
+    """The text of the workspace's answer.txt, or the result to return without one: reward 0 when it is
+    missing, an invalid evaluation when it cannot be read."""
+    path = workspace / ANSWER_FILE
+    if not path.is_file():
+        return EvalResult(0.0, detail="no answer.txt: reward 0")
+    try:
+        return path.read_text(errors="replace")
+    except OSError as exc:
+        return EvalResult(0.0, valid=False, detail=f"answer.txt unreadable: {exc}")
+
+
 def char_coverage_evaluator(targets: str) -> Evaluator:
     """Reward = half for coverage (share of distinct target characters present in answer.txt) and half
     for density (share of the answer's characters that are target characters): graded, so executions
@@ -22,13 +34,9 @@ def char_coverage_evaluator(targets: str) -> Evaluator:
     wanted = set(targets)
 
     def evaluate(workspace: Path) -> EvalResult:
-        path = workspace / ANSWER_FILE
-        if not path.is_file():
-            return EvalResult(0.0, detail="no answer.txt: reward 0")
-        try:
-            text = path.read_text(errors="replace")
-        except OSError as exc:
-            return EvalResult(0.0, valid=False, detail=f"answer.txt unreadable: {exc}")
+        text = read_answer(workspace)
+        if isinstance(text, EvalResult):
+            return text
         chars = [c for c in text if not c.isspace()]
         coverage = len(wanted & set(chars)) / len(wanted)
         density = sum(c in wanted for c in chars) / len(chars) if chars else 0.0

@@ -23,8 +23,34 @@ _PHASE_KIND = {
 }
 
 
+# per-micro-batch sums of the loss's metrics (gyre_ray.algo.gspo) that add up over a step
+_POLICY_SUMS = ("nll_sum", "kl_sum", "loss_tokens", "sequences", "clipped_sequences")
+
+
 def _mean(values: list[float], default: float = 0.0) -> float:
     return statistics.fmean(values) if values else default
+
+
+def policy_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """A step's policy statistics from its micro-batches' summed loss metrics: mean negative log-prob
+    of the sampled tokens under the behaviour policy, k3 KL(behaviour || trained policy) per token,
+    and the share of sequences whose importance ratio lies outside the clip range."""
+    tokens, sequences = sums.get("loss_tokens", 0.0), sums.get("sequences", 0.0)
+    if not tokens:
+        return {}
+    return {
+        "nll_mean": sums.get("nll_sum", 0.0) / tokens,
+        "kl_behaviour": sums.get("kl_sum", 0.0) / tokens,
+        "clip_fraction": sums.get("clipped_sequences", 0.0) / sequences if sequences else 0.0,
+    }
+
+
+def rewards_by_task(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """Mean reward per task id from (task id, reward) pairs of valid executions."""
+    grouped: dict[str, list[float]] = {}
+    for task, reward in pairs:
+        grouped.setdefault(task, []).append(reward)
+    return {task: statistics.fmean(values) for task, values in sorted(grouped.items())}
 
 
 class RunRecorder:
@@ -45,6 +71,7 @@ class RunRecorder:
         self.micro_seconds: list[float] = []
         self.losses: dict[int, list[float]] = {}
         self.gaps: dict[int, float] = {}
+        self.policy_sums: dict[int, dict[str, float]] = {}
         self.trees: dict[int, list[dict[str, Any]]] = {}
         self.exec_stats: dict[str, dict[str, Any]] = {}
         self.train_start: dict[int, float] = {}
@@ -87,6 +114,9 @@ class RunRecorder:
         self.losses.setdefault(step.batch, []).append(float(metrics["loss"]))
         gap = float(metrics.get("logprob_gap_max", 0.0))
         self.gaps[step.batch] = max(self.gaps.get(step.batch, 0.0), gap)
+        sums = self.policy_sums.setdefault(step.batch, {})
+        for key in _POLICY_SUMS:
+            sums[key] = sums.get(key, 0.0) + float(metrics.get(key, 0.0))
 
     def mean_micro_step(self) -> float:
         return _mean(self.micro_seconds, 1.0)
@@ -125,6 +155,13 @@ class RunRecorder:
             "valid": sum(o.valid for o in outcomes),
             "timed_out": sum(o.timed_out for o in outcomes),
             "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward_by_task": rewards_by_task(
+                [
+                    (sched.planned[e].task.task_id, o.reward)
+                    for e, o in zip(execs, outcomes, strict=True)
+                    if o.valid
+                ]
+            ),
             "calls": sum(t["calls"] for t in trees),
             "paths_total": sum(t["paths_total"] for t in trees),
             "paths_selected": sum(t["paths_selected"] for t in trees),
@@ -148,6 +185,7 @@ class RunRecorder:
                 loss=sum(self.losses.get(b, [])),
                 grad_norm=update.metrics.get("grad_norm"),
                 logprob_gap_max=self.gaps.get(b, 0.0),
+                **policy_metrics(self.policy_sums.get(b, {})),
             )
         else:
             metrics["skipped"] = update.metrics.get("skipped", "no update")

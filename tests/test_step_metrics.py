@@ -1,0 +1,66 @@
+"""Per-step policy metrics and the `words` task set: the loss's behaviour sums (sampled-token NLL, k3 KL,
+clipped sequences) are right on and off policy, the recorder turns summed micro-batch metrics into a
+step's means, rewards are kept per task, the reward trend line compares first and last steps, and the
+`words` evaluator scores the share of the task's words."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gyre_ray.algo.gspo import behaviour_sums
+from gyre_ray.envs.base import get_task_set
+from gyre_ray.envs.words import WORD_POOL, word_share_evaluator
+from gyre_ray.runtime.recorder import policy_metrics, rewards_by_task
+from gyre_ray.train import reward_trend
+
+
+def test_behaviour_sums_on_and_off_policy() -> None:
+    old = torch.tensor([[-1.0, -2.0, -3.0, -9.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    on = behaviour_sums(old.clone(), old, mask)
+    assert on["nll_sum"] == pytest.approx(6.0)  # the masked-out token is not counted
+    assert on["kl_sum"] == pytest.approx(0.0, abs=1e-7)
+    shifted = old + torch.tensor([[0.5, -0.5, 0.0, 4.0]])
+    off = behaviour_sums(shifted, old, mask)
+    expected = sum(math.exp(d) - 1 - d for d in (0.5, -0.5, 0.0))
+    assert off["kl_sum"] == pytest.approx(expected, rel=1e-5)
+    assert off["nll_sum"] == pytest.approx(6.0)  # of the behaviour policy, which sampled the tokens
+
+
+def test_policy_metrics_are_token_and_sequence_weighted_over_micro_batches() -> None:
+    sums = {"nll_sum": 30.0, "kl_sum": 0.3, "loss_tokens": 10.0, "sequences": 8.0, "clipped_sequences": 2.0}
+    m = policy_metrics(sums)
+    assert m == pytest.approx({"nll_mean": 3.0, "kl_behaviour": 0.03, "clip_fraction": 0.25})
+    assert policy_metrics({}) == {}
+
+
+def test_rewards_by_task_and_trend() -> None:
+    assert rewards_by_task([("a", 1.0), ("b", 0.0), ("a", 0.5)]) == {"a": 0.75, "b": 0.0}
+    steps = [{"reward_mean": r} for r in (0.2, 0.3, 0.25, 0.4, 0.5, 0.6)]
+    line = reward_trend(steps)
+    assert "first 3 step(s) 0.250 -> last 3 step(s) 0.500 (+0.250)" in line
+    assert line.endswith("per step 0.20 0.30 0.25 0.40 0.50 0.60")
+    assert "first 1 step(s) 0.200" in reward_trend(steps[:1])
+
+
+@pytest.mark.parametrize(
+    ("text", "reward"),
+    [("hour day hour\n", 1.0), ("hour box\nweek key\n", 0.25), ("", 0.0), ('{"text": "day"}', 0.5)],
+)
+def test_word_share_evaluator(tmp_path: Path, text: str, reward: float) -> None:
+    (tmp_path / "answer.txt").write_text(text)
+    assert word_share_evaluator(("hour", "day"))(tmp_path).reward == pytest.approx(reward)
+
+
+def test_words_task_set_targets_two_pool_words(tmp_path: Path) -> None:
+    tasks = get_task_set("words")
+    assert len(tasks) == 4
+    for task in tasks:
+        assert "write_file" in task.prompt
+        (tmp_path / "answer.txt").write_text(" ".join(WORD_POOL))
+        assert task.evaluate(tmp_path).reward == pytest.approx(2 / len(WORD_POOL))
+    assert word_share_evaluator(("hour",))(tmp_path / "missing").reward == 0.0
