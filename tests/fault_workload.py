@@ -26,6 +26,7 @@ class CountingExecutor:
     max_tokens: int = 24
     tool_s: float = 0.3
     deadline_s: float = 300.0
+    stream: bool = True  # streamed calls: tokens reach the proxy as generated (a dead cell's are kept)
 
     def __call__(
         self,
@@ -51,10 +52,8 @@ class CountingExecutor:
         with httpx.Client(base_url=endpoint.base_url, headers=headers, timeout=120.0) as client:
             for _ in range(self.calls):
                 while True:
-                    reply = client.post(
-                        "/v1/chat/completions",
-                        json={"model": "policy", "messages": messages, "max_tokens": self.max_tokens},
-                    )
+                    body = {"model": "policy", "messages": messages, "max_tokens": self.max_tokens}
+                    reply = client.post("/v1/chat/completions", json={**body, "stream": self.stream})
                     if reply.status_code in (429, 503) and time.monotonic() - started < self.deadline_s:
                         retried += 1
                         time.sleep(float(reply.headers.get("retry-after", "1")))
@@ -62,7 +61,12 @@ class CountingExecutor:
                     reply.raise_for_status()
                     break
                 ok += 1
-                text = reply.json()["choices"][0]["message"]["content"] or ""
+                text = (
+                    streamed_text(reply.text)
+                    if self.stream
+                    else reply.json()["choices"][0]["message"]["content"]
+                )
+                text = text or ""
                 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "tool: ok"}]
                 time.sleep(self.tool_s)
         index = int(execution_id.rsplit("-", 1)[-1])
@@ -78,6 +82,18 @@ class CountingExecutor:
             log_tail="",
             calls=ok,
         )
+
+
+def streamed_text(body: str) -> str:
+    """The content of an OpenAI chat-completions event stream."""
+    import json
+
+    parts = []
+    for line in body.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices", []):
+                parts.append(choice.get("delta", {}).get("content") or "")
+    return "".join(parts)
 
 
 def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int:

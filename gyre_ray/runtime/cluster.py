@@ -157,8 +157,16 @@ class Runtime:
 
     @property
     def cells(self) -> dict[str, Any]:
-        """Cell actors by cell id, in pool order."""
-        return dict(self.pool.actors)
+        """Cell actors by cell id, in pool order (looked up by name: a restarted cell is a new actor)."""
+        import ray
+
+        found = {}
+        for cell_id, name in self.pool.actor_names.items():
+            try:
+                found[cell_id] = ray.get_actor(name, namespace=self.namespace)
+            except ValueError:  # dead and not (yet) restarted
+                found[cell_id] = self.pool.actors[cell_id]
+        return found
 
     @property
     def core(self) -> Any:

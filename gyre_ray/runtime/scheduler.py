@@ -177,7 +177,8 @@ class RunScheduler(CellRecovery):
             if self.update is not None:
                 refs += list(self.update.refs)
             if not refs:  # only the cells' watches: look at them, then decide again soon
-                for ref in ray.wait(list(self.watches), num_returns=len(self.watches), timeout=0)[0]:
+                watches = list(self.watches)
+                for ref in ray.wait(watches, num_returns=len(watches), timeout=0)[0] if watches else []:
                     self._finished(ref)
                 time.sleep(0.005)
                 continue
