@@ -37,8 +37,9 @@ OVERRIDES = [
     "run.eval_every=4",
     "run.eval_samples=1",
     "run.wandb_mode=offline",
-    # float64: in float32 this comparison measured a 4e-5 gap once, with the same tokens sampled (and
-    # two uninterrupted float32 runs gave identical weights). Likely cause: the engines batch calls
+    # float64: in float32 this comparison measured 7.9e-7 without evaluation rounds and 4e-5 with
+    # them, the same tokens sampled both times (two uninterrupted float32 runs gave identical
+    # weights). Likely cause: the engines batch calls
     # differently after a restart (cells start in rollout, evaluation rounds run alongside other
     # steps), which moves behaviour log-probs by float32 rounding, and where a gradient element is as
     # small as Adam's eps (1e-8) that rounding moves its update by a good part of lr.
