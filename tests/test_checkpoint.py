@@ -121,3 +121,23 @@ def test_merge_segments_puts_the_resumed_times_after_the_earlier_ones(tmp_path: 
     assert merged["spans"] == [("cell-0", "rollout", 0.0, 10.0), ("cell-0", "rollout", 10.0, 14.0)]
     assert [e["at_s"] for e in merged["switches"]] == [5.0, 12.0]
     assert [(m["step"], m["published_at_s"]) for m in merged["steps"]] == [(0, 6.0), (1, 14.0)]
+
+
+def test_resume_and_eval_commands_say_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from gyre_ray.cli import main
+
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no config.json (not a run folder)" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume: " in err and "no complete checkpoint" in err
+    assert main(["train", "--resume", str(tmp_path), "--config", "jobs/configs/toy.yaml"]) == 2
+    assert "give overrides, not --config" in capsys.readouterr().err
+    assert main(["eval", "--run", str(tmp_path)]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert main(["eval", "--model-dir", str(tmp_path / "records")]) == 2
+    assert "not an HF model folder" in capsys.readouterr().err
+    checkpoint.save(tmp_path, 2, _write_marker, {})
+    assert main(["train", "--resume", str(tmp_path), "run.steps=2"]) == 2
+    assert "nothing to resume (give run.steps=3 or more" in capsys.readouterr().err

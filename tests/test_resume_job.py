@@ -37,9 +37,12 @@ OVERRIDES = [
     "run.eval_every=4",
     "run.eval_samples=1",
     "run.wandb_mode=offline",
-    # float64: float32 rounding (~1e-10 in a gradient) is as large as Adam's eps (1e-8), so where an
-    # element's gradient is that small, engine batching (which cell served which call, alongside what)
-    # moves its update by up to ~1e-5 between any two runs, resumed or not.
+    # float64: in float32 this comparison measured 7.9e-7 without evaluation rounds and 4e-5 with
+    # them, the same tokens sampled both times (two uninterrupted float32 runs gave identical
+    # weights). Likely cause: the engines batch calls
+    # differently after a restart (cells start in rollout, evaluation rounds run alongside other
+    # steps), which moves behaviour log-probs by float32 rounding, and where a gradient element is as
+    # small as Adam's eps (1e-8) that rounding moves its update by a good part of lr.
     "model.dtype=float64",
 ]
 PICTURES = ("reward.png", "timeline.png", "switches.png", "staleness.png", "eval.png")
