@@ -7,7 +7,8 @@
     live.step_done(step_metrics)          # staleness of the update's tokens, version
 
 Tokens generated per cell come from the cells' engine counters (`decode_tokens`), read every few
-seconds. A metrics failure never disturbs the run.
+seconds; the same poll keeps each engine's queued model calls (`waiting_calls`), which the scheduler
+passes to the policy as `queued_demand`. A metrics failure never disturbs the run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class LiveMetrics:
         self._gauges_at = 0.0
         self._engines_at = 0.0
         self._decoded: dict[str, int] = {}
+        self.waiting_calls: dict[int, int] = {}  # cell index -> model calls queued in its engine (last poll)
 
     def tick(self, sched: Any) -> None:
         now = time.monotonic()
@@ -62,6 +64,7 @@ class LiveMetrics:
         import ray
 
         statuses = ray.get([a.status.remote() for a in sched.actors], timeout=5)
+        self.waiting_calls = {i: int(s.get("engine", {}).get("waiting", 0)) for i, s in enumerate(statuses)}
         for status in statuses:
             cell, decoded = status["cell_id"], int(status.get("engine", {}).get("decode_tokens", 0))
             self.metrics.tokens(cell, generated=decoded - self._decoded.get(cell, decoded))

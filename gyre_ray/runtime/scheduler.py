@@ -222,7 +222,7 @@ class RunScheduler:
         queued = stream.queued if stream is not None else 0
         state = build_state(
             self._now(), self.updates, self.steps, self.eta, self.views, self.ledger, queued, self.costs,
-            updating=self.update is not None,
+            updating=self.update is not None, waiting_calls=self.live.waiting_calls,
         )  # fmt: skip
         updating = self.update is not None  # roles change once the update is published
         launches: list[Launch] = []
