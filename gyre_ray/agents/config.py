@@ -30,8 +30,8 @@ class AgentSection(Section):
     )
     task_set: str = Field(
         "toy",
-        description="A named task set (toy, nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
-        "or the path of a .jsonl/.yaml task file (format in docs/harnesses.md).",
+        description="A named task set (toy, nl2repo-mini, longtail: nl2repo-like durations 1 h -> 40 s, "
+        "longtail:S: scaled 1 h -> S s) or the path of a .jsonl/.yaml task file (format in docs/harnesses.md).",
     )
     timeout_s: float = Field(
         600.0, gt=0, description="Wall-clock limit of one execution; its workspace is scored afterwards."
@@ -76,6 +76,11 @@ class AgentSection(Section):
     @classmethod
     def _task_set(cls, value: str) -> str:
         if value in NAMED_TASK_SETS:
+            return value
+        if value.startswith("longtail:"):
+            from gyre_ray.envs.longtail import parse_scale
+
+            parse_scale(value)  # a clear error for a bad scale
             return value
         path = Path(value).expanduser()
         if path.suffix not in (".jsonl", ".yaml", ".yml"):

@@ -384,16 +384,12 @@ class RunScheduler:
                         self.weights, self.trainer_version))  # fmt: skip
             else:
                 self.engine_version[index] = result["version"]
-                stale = self.engine_version[index] < self.trainer_version
-                weights = self.weights if stale else None
-                return self._stage_two(
-                    switch, self.actors[index].load_and_undrain.remote(weights, self.trainer_version)
-                )
-        else:
-            if switch.direction == "to_train":
-                self.sat_version[index] = self.trainer_version
-            elif result.get("version") is not None:
-                self.engine_version[index] = result["version"]
+                return self._catch_up(switch)
+        elif switch.direction == "to_train":
+            self.sat_version[index] = self.trainer_version
+        elif switch.stage == 2:  # a returning cell loaded a version published during its switch
+            self.engine_version[index] = int(result.get("engine", {}).get("version", switch.version))
+            return self._catch_up(switch)
         now = self._now()
         seconds = now - switch.since
         switch.event["seconds"] = round(seconds, 4)
@@ -412,6 +408,16 @@ class RunScheduler:
     def _stage_two(self, switch: Switch, ref: Any) -> None:
         switch.stage = 2
         self.switches[ref] = switch
+
+    def _catch_up(self, switch: Switch) -> None:
+        """A cell coming back to rollout serves only once it holds the published version: load it
+        (again, if an update was published meanwhile; stage 2), then undrain (stage 3)."""
+        actor = self.actors[switch.cell]
+        if self.engine_version[switch.cell] < self.trainer_version:
+            switch.version = self.trainer_version
+            return self._stage_two(switch, actor.update_weights.remote(self.weights, self.trainer_version))
+        switch.stage = 3
+        self.switches[actor.undrain.remote()] = switch
 
     def _micro_done(self, ref: Any, step: MicroStep) -> None:
         metrics = ray.get(ref)
@@ -472,6 +478,9 @@ class RunScheduler:
         if update.stage == "step":
             update.stage = "publish"
             update.version = int(update.metrics.get("version", self.trainer_version))
+            if update.version <= self.trainer_version:  # no new weights (a step with nothing to train)
+                update.weights = self.weights
+                return self._next_stage()
             update.weights = core.publish_weights.remote()  # one ticket: every cell fetches it
             for i, view in enumerate(self.views):
                 if view.phase is CellPhase.ROLLOUT:

@@ -196,20 +196,17 @@ def queued_demand_of(
 ) -> float:
     """Demand (executions) the rollout side holds but cannot serve now: what elastic brings cells back for.
 
-    - executions booked on a rollout cell beyond its capacity (a migration that fit nowhere);
-    - executions still booked on a cell that is not in the rollout role (nowhere to migrate to);
+    - executions still booked on a cell that is not in the rollout role (nowhere to migrate to; a
+      rollout cell's own executions, even beyond its capacity, are its `load` already);
     - model calls waiting in a ready rollout cell's engine beyond its decode slots, one execution
       each (an agent waits on its call).
     """
     queued = 0.0
     for c in cells:
-        load = loads.get(c.index, 0)
-        if c.role is Role.ROLLOUT:
-            queued += max(0.0, load - c.capacity)
-            if c.ready:
-                queued += max(0, int(waiting_calls.get(c.index, 0)))
-        else:
-            queued += load
+        if c.role is not Role.ROLLOUT:
+            queued += loads.get(c.index, 0)
+        elif c.ready:
+            queued += max(0, int(waiting_calls.get(c.index, 0)))
     return queued
 
 
