@@ -134,10 +134,14 @@ class RunScheduler:
         self.has_grads = [False] * len(self.views)
         self.update: Update | None = None
         self.updates = 0
+        published = getattr(self, "weights", None), getattr(self, "trainer_version", None)
         self.trainer_version = int(ray.get(self.actors[self.core].trainer_version.remote(), timeout=60))
         self.engine_version = [self.trainer_version] * len(self.views)
         self.sat_version = [self.trainer_version] * len(self.views)
-        self.weights = self.actors[self.core].publish_weights.remote()  # a transfer ticket
+        if published[0] is not None and published[1] == self.trainer_version:
+            self.weights = published[0]  # a run after a run: that version's ticket (a version publishes once)
+        else:
+            self.weights = self.actors[self.core].publish_weights.remote()  # a transfer ticket
         self.policy = policy_from_section(cfg.scheduler, len(self.views))
         self.live = LiveMetrics()  # the Ray dashboard's view of the run
         self._initial_roles()
