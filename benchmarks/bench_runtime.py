@@ -3,10 +3,11 @@
     python benchmarks/bench_runtime.py [--cells 4 --cpus-per-cell 0.5 --steps 6 ...]
 
 One local Ray, one `Runtime` (tiny-model dual-role cells behind the proxy, the `scheduler` actor) and
-the long-tailed workload of `tests/longtail_workload.py` (model calls between tool-call sleeps,
-durations from the simulator's nl2repo preset with one hour scaled to `--hour-s` seconds). Every
-policy runs the same steps on the same cells with the same execution durations (a pure function of
-the execution id and the seed), one after the other (the weights carry on from run to run). Per run:
+the `longtail` task set's executions (durations from the simulator's nl2repo preset with one hour
+scaled to `--hour-s` seconds), run in-process by `tests/longtail_workload.py` (short model calls
+between tool-call sleeps; why not the toy harness on this machine: see that file). Every policy runs
+the same steps on the same cells with the same execution durations (a pure function of the execution
+id without its run tag), one after the other (the weights carry on from run to run). Per run:
 makespan (first launch to last update published), per-cell utilisation (rolling out = hosting at
 least one execution, training, switching, idle), switches, trained-token staleness, reward; each
 run's trace.jsonl and costs.json go under `--runs-dir/<run>/`, and, where `gyre-ray simulate --trace`
@@ -19,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,16 +43,16 @@ def _configs(cells: int) -> list[tuple[str, dict[str, Any]]]:
     return runs
 
 
-def _simulate(run_dir: Path) -> dict[str, Any]:
-    """`gyre-ray simulate --trace RUN_DIR` when this tree has it (the simulator's replay of the run)."""
-    cmd = [sys.executable, "-m", "gyre_ray.cli", "simulate", "--trace", str(run_dir)]
+def _simulate(run_dir: Path, prefetch: str) -> dict[str, Any]:
+    """The simulator's replay of the run (`gyre-ray simulate --trace RUN_DIR`): predicted vs measured makespan."""
+    from gyre_ray.sim.replay import predict_run
+
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"available": False, "detail": "timed out"}
-    if out.returncode != 0:
-        return {"available": False, "detail": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    return {"available": True, "output": out.stdout.strip()[-2000:]}
+        report = predict_run(run_dir, prefetch=prefetch)
+    except Exception as exc:  # a replay failure is reported, the benchmark's figures stand
+        return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
+    row = report["policies"][report["recorded_policy"]]
+    return {"available": True, **row}
 
 
 def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +92,8 @@ def main() -> int:
     parser.add_argument("--tasks-per-step", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--hour-s", type=float, default=4.0, help="seconds standing for one hour of nl2repo")
-    parser.add_argument("--tool-s", type=float, default=0.5)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--tool-s", type=float, default=0.5, help="one tool sleep between model calls")
+    parser.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each model call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated run names (default: all)")
     parser.add_argument("--runs-dir", default=str(ROOT / "runs" / "bench_runtime"))
@@ -112,7 +112,7 @@ def main() -> int:
     overrides = [
         f"cells.num_cells={args.cells}", f"cells.cpus_per_cell={args.cpus_per_cell}", f"cells.capacity={args.capacity}",
         f"run.tasks_per_step={args.tasks_per_step}", f"algo.group_size={args.group_size}", "proxy.port=0",
-        f"proxy.records_dir={runs_dir / 'records'}", "agents.timeout_s=600",
+        f"proxy.records_dir={runs_dir / 'records'}", f"agents.task_set=longtail:{args.hour_s:g}",
     ]  # fmt: skip
     cfg = load_config(ROOT / "jobs/configs/toy.yaml", overrides)
     executor = LongTailExecutor(
@@ -120,13 +120,13 @@ def main() -> int:
     )
     ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="WARNING")
     started = time.perf_counter()
-    runtime = Runtime.start(
-        cfg, scheduler_options={"run_dir": str(runs_dir), "execute": executor}, timeout_s=600
-    )
+    options = {"run_dir": str(runs_dir), "execute": executor}
+    runtime = Runtime.start(cfg, scheduler_options=options, timeout_s=600)
     print(
         f"runtime up in {time.perf_counter() - started:.1f} s: {args.cells} cells x {args.cpus_per_cell} CPU",
         flush=True,
     )
+    load_before = [round(x, 2) for x in os.getloadavg()]
     wanted = set(filter(None, args.only.split(",")))
     rows = []
     try:
@@ -155,8 +155,9 @@ def main() -> int:
 
         serve.shutdown()
         ray.shutdown()
+    prefetch = {name: section.get("elastic_prefetch", "eager") for name, section in _configs(args.cells)}
     for row in rows:
-        row["simulated"] = _simulate(runs_dir / row["run"])
+        row["simulated"] = _simulate(runs_dir / row["run"], prefetch[row["run"]])
     by = {r["run"]: r["makespan_s"] for r in rows}
     asyncs = {k: v for k, v in by.items() if k.startswith("async-")}
     ratios = {}
@@ -174,20 +175,29 @@ def main() -> int:
     if "elastic-eta0" in by and "colocate" in by:
         ratios["colocate / elastic-eta0"] = round(by["colocate"] / by["elastic-eta0"], 3)
     print(
-        "\n| run | makespan s | switches | staleness max / mean | overlap s | reward | rollout / training / switching / idle |"
+        "\n| run | makespan s | simulated s (x measured) | switches | staleness max / mean | overlap s | reward "
+        "| rollout / training / switching / idle |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        u = r["mean_utilisation"]
-        print(f"| {r['run']} | {r['makespan_s']:.1f} | {r['switches']} | {r['staleness_max']} / {r['staleness_mean']:.2f} | "
-              f"{r['overlap_s']:.1f} | {r['reward_mean']:.3f} | {u['rollout']:.2f} / {u['training']:.2f} / "
-              f"{u['switching']:.2f} / {u['idle']:.2f} |")  # fmt: skip
+        u, sim = r["mean_utilisation"], r["simulated"]
+        predicted = (
+            f"{sim['predicted_makespan_s']:.1f} ({sim.get('predicted_over_measured', float('nan')):.3f})"
+            if sim.get("available")
+            else "n/a"
+        )
+        print(f"| {r['run']} | {r['makespan_s']:.1f} | {predicted} | {r['switches']} | {r['staleness_max']} / "
+              f"{r['staleness_mean']:.2f} | {r['overlap_s']:.1f} | {r['reward_mean']:.3f} | {u['rollout']:.2f} / "
+              f"{u['training']:.2f} / {u['switching']:.2f} / {u['idle']:.2f} |")  # fmt: skip
     for k, v in ratios.items():
         print(f"{k}: {v}x")
     out = {
         "machine": {"cpus": os.cpu_count(), "note": "2-core machine shared with other jobs"},
         "args": vars(args),
+        "task_set": cfg.agents.task_set,
         "executor": executor.__dict__,
+        "load_average_before": load_before,
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "runs_dir": str(runs_dir),
         "ratios": ratios,
         "runs": rows,

@@ -1,31 +1,23 @@
-"""Test-only long-tailed agent workload for real cells (until `agents.task_set=longtail` lands).
+"""Test-only runner of the `longtail` task set's executions in-process, for real cells on a small machine.
 
 `LongTailExecutor` has `run_planned_execution`'s signature, so the scheduler launches it as each
-execution's Ray task. An execution lasts D seconds, D following the simulator's `nl2repo` preset
-scaled down in time (`hour_s` seconds stand for one hour): log D ~ mu + sigma (sqrt(rho) z_task +
-sqrt(1 - rho) z_exec), capped at the timeout (then it is timed out). It spends that time mostly in
-tool calls (sleeps standing for test runs and builds) between short model calls through the proxy,
-each call re-sending the conversation so far (a growing main path); its answer (the model's text)
-goes to answer.txt and the toy task's evaluator scores it. Durations are a pure function of the
-execution id and `seed`, so every policy sees the same workload.
+execution's Ray task. An execution lasts what the `longtail` task set says
+(`gyre_ray.envs.longtail.execution_seconds`: the simulator's `nl2repo` preset, one hour scaled to
+`hour_s` seconds, capped at the timeout, then timed out), spent in tool sleeps between short model
+calls through the proxy, each call re-sending the conversation so far (a growing main path); its
+answer goes to answer.txt and the toy task's evaluator scores it. Why not the task set itself
+(`agents.task_set=longtail:S`, the toy harness in a subprocess)? On this shared 2-core machine the
+harness's own model calls (8 calls, ~1,500 prompt tokens) take 16-20 s per execution at load 24, and
+at `longtail:4` every execution timed out before its first call: model time, not tool time, would set
+the durations. Here one call of `max_tokens` tokens per `tool_s` sleep keeps tool time dominant.
 """
 
 from __future__ import annotations
 
-import math
-import random
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-# nl2repo (gyre_ray/sim/presets.py): median 0.4 h, sigma 0.55 log hours, rho 0.6, timeout 1.5 h
-NL2REPO = {"mu_log_hours": -0.916, "sigma_log_hours": 0.55, "rho": 0.6, "timeout_hours": 1.5}
-
-
-def _normal(*key: Any) -> float:
-    return random.Random(zlib.crc32(repr(key).encode())).gauss(0.0, 1.0)
 
 
 @dataclass
@@ -36,22 +28,15 @@ class LongTailExecutor:
     tool_s: float = 0.8  # one tool call (sleep) between model calls
     max_tokens: int = 8
     seed: int = 0
-    mu_log_hours: float = NL2REPO["mu_log_hours"]
-    sigma_log_hours: float = NL2REPO["sigma_log_hours"]
-    rho: float = NL2REPO["rho"]
-    timeout_hours: float = NL2REPO["timeout_hours"]
 
     def duration_s(self, execution_id: str) -> tuple[float, bool]:
-        """(seconds, timed out) of an execution `[<run tag>.]s<step>-<task>-<g>` (its task and step share
-        z_task; the run tag does not count, so every run of a benchmark sees the same durations)."""
-        execution_id = execution_id.rsplit(".", 1)[-1]
-        group = execution_id.rsplit("-", 1)[0]
-        z = math.sqrt(self.rho) * _normal(self.seed, group) + math.sqrt(1 - self.rho) * _normal(
-            self.seed, execution_id
-        )
-        hours = math.exp(self.mu_log_hours + self.sigma_log_hours * z)
-        timed_out = hours >= self.timeout_hours
-        return min(hours, self.timeout_hours) * self.hour_s, timed_out
+        """(seconds, timed out) of an execution `[<run tag>.]s<step>-<task>-<g>`: the `longtail` task set's
+        duration for that workspace name (the run tag does not count), capped at the scaled timeout."""
+        from gyre_ray.envs.longtail import TIMEOUT_HOURS, execution_seconds, schedule_for
+
+        seconds = execution_seconds(schedule_for(self.seed, self.hour_s), execution_id)
+        timeout = TIMEOUT_HOURS * self.hour_s
+        return min(seconds, timeout), seconds >= timeout
 
     def __call__(
         self,

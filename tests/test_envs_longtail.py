@@ -108,3 +108,21 @@ def test_the_toy_harness_does_not_sleep_on_toy_tasks(tmp_path: Path, monkeypatch
     get_task_set("toy")[0].seed_workspace(tmp_path / "ws")
     toy_agent.ToyAgent(_Client(), tmp_path / "ws", "Write.", seed=1).run()
     assert sum(slept) == 0
+
+
+def test_a_scaled_set_shrinks_durations_and_time_limits_and_a_run_tag_does_not_count() -> None:
+    fast = get_task_set("longtail:4")
+    assert [t.task_id for t in fast] == [t.task_id for t in get_task_set("longtail")]
+    assert {t.time_limit_s for t in fast} == {6.0} and {t.time_limit_s for t in get_task_set("longtail")} == {
+        60.0
+    }
+    schedule = json.loads(fast[0].files[lt.SCHEDULE_FILE])
+    name = "s1-lt00-vowels-2"
+    assert lt.execution_seconds(schedule, name) == pytest.approx(
+        lt.execution_seconds(lt.schedule_for(), name) / 10
+    )
+    assert lt.execution_seconds(schedule, "elastic-eta1." + name) == lt.execution_seconds(schedule, name)
+    assert AgentSection(task_set="longtail:4").task_set == "longtail:4"
+    for bad in ("longtail:0", "longtail:x", "longtail:-1", "longtail:nan"):
+        with pytest.raises(ValueError, match="positive number of seconds per hour"):
+            AgentSection(task_set=bad)

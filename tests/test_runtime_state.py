@@ -80,6 +80,27 @@ def test_elastic_brings_a_trainer_back_when_demand_returns() -> None:
     assert SwitchToRollout(1) in ElasticPolicy().decide(state)
 
 
+def test_queued_demand_counts_calls_waiting_in_engines_and_executions_with_no_room() -> None:
+    views = cells(3, 2.0)
+    views[2].enter(CellPhase.TRAIN_IDLE, 0.0)
+    ledger = ledger_with(6, {0: 0, 1: 0, 2: 0, 3: 1, 4: 2})  # cell-0 over capacity, one left on a trainer
+    state = build_state(1.0, 0, 1, 0, views, ledger, 0, COSTS, waiting_calls={0: 0, 1: 2, 2: 5})
+    # 1 on the trainer + 2 calls waiting on cell-1 (the trainer's 5 do not count; cell-0's third
+    # execution is in its load already)
+    assert state.queued_demand == 3.0 and state.cells[0].load == 3.0
+    assert build_state(1.0, 0, 1, 0, cells(2, 2.0), ledger_with(2, {0: 0}), 0, COSTS).queued_demand == 0.0
+
+
+def test_elastic_brings_a_trainer_back_for_calls_queued_beyond_the_engines() -> None:
+    views = cells(2, 2.0)
+    views[1].enter(CellPhase.TRAIN_IDLE, 0.0)
+    ledger = ledger_with(2, {0: 0, 1: 0})  # cell-0 is full, nothing pending
+    quiet = build_state(1.0, 0, 1, 0, views, ledger, 0, COSTS, waiting_calls={0: 0})
+    assert not [a for a in ElasticPolicy().decide(quiet) if isinstance(a, SwitchToRollout)]
+    busy = build_state(1.0, 0, 1, 0, views, ledger, 0, COSTS, waiting_calls={0: 1})
+    assert SwitchToRollout(1) in ElasticPolicy().decide(busy)
+
+
 def test_colocate_trains_on_every_cell_once_the_rollout_is_over() -> None:
     section = SchedulerSection(policy="colocate")
     views = cells(3, 2.0)

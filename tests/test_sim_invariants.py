@@ -289,9 +289,49 @@ def test_the_bound_is_the_reference_formula_for_one_on_policy_step() -> None:
     fluid = wl.duration_s.sum() / 15.0
     assert bound.work_s == pytest.approx((max(fluid, 5000.0) + work.sum()) / cells + 7.0)
     assert bound.total_s == max(bound.chain_s, bound.work_s)
-    assert lower_bound(wl, cells, 1, optimizer_step_s=7.0).work_s == pytest.approx(
-        (fluid + work.sum()) / cells + 7.0
+    # one batch: whatever eta, a cell rolls out while its longest execution runs
+    assert lower_bound(wl, cells, 1, optimizer_step_s=7.0).work_s == pytest.approx(bound.work_s)
+
+
+def _two_step_workload():
+    spec = small_spec(
+        tasks_per_step=3, group_size=1, train_cluster_s_per_trajectory=100.0, capacity_executions=30
     )
+    wl = sample_workload(spec, steps=2)
+    wl.duration_s[:] = [100.0, 1000.0, 5000.0, 100.0, 200.0, 300.0]
+    wl.trajectories[:] = 1
+    return wl
+
+
+def test_the_rollout_role_term_counts_each_class_of_batches_that_cannot_overlap() -> None:
+    wl = _two_step_workload()  # 2 cells of 15 slots: batch 0 rolls out 6100 / 15, batch 1 600 / 15
+    r0, r1 = 6100.0 / 15, 600.0 / 15
+    work = wl.train_cell_s(2).sum()  # 6 x 200 cell-seconds
+    # eta = 0: batches roll out one after the other, each for at least its longest execution
+    eta0 = lower_bound(wl, 2, 0)
+    assert eta0.work_s == pytest.approx((max(r0, 5000.0) + max(r1, 300.0) + work) / 2)
+    # eta = 1: batch 1 may roll out inside batch 0's 5000 s window, so only batch 0's window counts
+    eta1 = lower_bound(wl, 2, 1)
+    assert eta1.work_s == pytest.approx((max(r0 + r1, 5000.0) + work) / 2)
+    assert eta1.work_s < eta0.work_s
+
+
+def test_the_work_part_counts_cells_that_cannot_work_before_the_first_update() -> None:
+    # 8 cells, a 5000 s execution: update 0 ends after 5000 s + its group's training; until then only
+    # batches 0 and 1 (eta = 1) can roll out and only batch 0 can train, far less than 8 x 5000 cell-s
+    wl = _two_step_workload()
+    cells = 8
+    bound = lower_bound(wl, cells, 1)
+    per_cell = 30 / cells
+    rollout = wl.duration_s.sum() / per_cell
+    train = wl.train_cell_s(cells)
+    available = rollout + train[:3].sum()  # all of batch 0 and batch 1's rollout
+    idle = cells * bound.update_s[0] - available
+    assert idle > 0
+    assert bound.work_s == pytest.approx((rollout + train.sum() + idle) / cells)
+    # the makespan of every policy respects it
+    for policy in ("colocate", "elastic"):
+        assert run_policy(wl, policy, cells, 1).makespan_s >= bound.work_s
 
 
 def test_the_bound_counts_the_cell_that_hosts_the_longest_execution() -> None:

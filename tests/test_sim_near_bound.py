@@ -15,10 +15,21 @@ from gyre_ray.sim.runner import best_elastic
 from gyre_ray.sim.workload import sample_workload
 
 STEPS, SEED, TARGET = 8, 0, 1.05
-# Every eta = 1 case misses (1.04x to 1.23x the bound): the bound there is its work part, which
-# assumes rollout cells always full, and no online policy keeps them full while the staleness bound
-# forbids the next launches (docs/scheduling.md, "Pipelined steps").
-MISSES: set[tuple[str, int, int]] = {(name, 1, cells) for name in PRESETS for cells in range(2, 9)}
+# Measured elastic / bound at eta = 1 (8 steps, seed 0) where it misses; every eta = 0 case and
+# terminal at 2 and 3 cells (1.035, 1.048) hold. What is left is what an online policy cannot have:
+# the bound may launch each batch's long executions first and park stragglers at window edges
+# (docs/scheduling.md, "What the bound grants").
+_ETA1_MISSES = {  # preset: (first cell count, ratios from there to 8 cells)
+    "nl2repo": (2, (1.197, 1.157, 1.117, 1.102, 1.093, 1.087, 1.083)),
+    "nl2repo-hard": (2, (1.135, 1.109, 1.089, 1.076, 1.063, 1.058, 1.051)),
+    "terminal": (4, (1.057, 1.063, 1.068, 1.062, 1.055)),
+}
+MEASURED_MISSES: dict[tuple[str, int, int], float] = {
+    (name, 1, first + i): ratio
+    for name, (first, ratios) in _ETA1_MISSES.items()
+    for i, ratio in enumerate(ratios)
+}
+MISSES = set(MEASURED_MISSES)
 _WORKLOADS: dict = {}
 
 
@@ -35,7 +46,8 @@ def cases() -> list:
             for cells in range(2, 9):
                 marks = []
                 if (name, eta, cells) in MISSES:
-                    marks = [pytest.mark.xfail(strict=True, reason="elastic misses 5% of the bound here")]
+                    reason = f"elastic at {MEASURED_MISSES[name, eta, cells]:.3f}x the bound (target 1.05x)"
+                    marks = [pytest.mark.xfail(strict=True, reason=reason)]
                 out.append(pytest.param(name, eta, cells, marks=marks, id=f"{name}-eta{eta}-{cells}cells"))
     return out
 

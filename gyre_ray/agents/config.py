@@ -30,7 +30,8 @@ class AgentSection(Section):
     )
     task_set: str = Field(
         "toy",
-        description="A named task set (toy, words: a small answer space (docs/learning.md), nl2repo-mini, longtail: nl2repo-like durations, set timeout_s=60) "
+        description="A named task set (toy, words: a small answer space (docs/learning.md), nl2repo-mini, "
+        "longtail: nl2repo-like durations 1 h -> 40 s, longtail:S: scaled 1 h -> S s) "
         "or the path of a .jsonl/.yaml task file (format in docs/harnesses.md).",
     )
     timeout_s: float = Field(
@@ -88,6 +89,11 @@ class AgentSection(Section):
 def check_task_set(value: str) -> str:
     """A task set name, or an existing .jsonl/.yaml task file (made absolute); ValueError otherwise."""
     if value in NAMED_TASK_SETS:
+        return value
+    if value.startswith("longtail:"):
+        from gyre_ray.envs.longtail import parse_scale
+
+        parse_scale(value)  # a clear error for a bad scale
         return value
     path = Path(value).expanduser()
     if path.suffix not in (".jsonl", ".yaml", ".yml"):

@@ -110,10 +110,10 @@ def get_task_set(name: str) -> list[Task]:
         from gyre_ray.envs.words import word_tasks
 
         return word_tasks()
-    if name == "longtail":
-        from gyre_ray.envs.longtail import longtail_tasks
+    if name == "longtail" or name.startswith("longtail:"):
+        from gyre_ray.envs.longtail import longtail_tasks, parse_scale
 
-        return longtail_tasks()
+        return longtail_tasks(seconds_per_hour=parse_scale(name) or 0.0)
     if name == "nl2repo-mini":
         from gyre_ray.envs.nl2repo import nl2repo_mini_path
 

@@ -3,8 +3,9 @@
 Durations follow the preset scaled down in time, **1 h -> 40 s** (`SECONDS_PER_HOUR`): log D = mu +
 sigma (sqrt(rho) Z_task + sqrt(1 - rho) Z_exec) in log hours (mu = -0.916, sigma = 0.55, rho = 0.6:
 median 24 min -> 16 s), capped at the timeout T = 1.5 h -> 60 s. An execution at the cap sleeps
-past it, so with `agents.timeout_s=60` it is ended there and counts as timed out. Set
-`agents.timeout_s` to `TIMEOUT_S` when using this set.
+past it; each task's time limit is the scaled timeout, so it is ended there and counts as timed
+out. `longtail:S` is the same set scaled 1 h -> S seconds (a test or benchmark on a small machine:
+`longtail:4`, median 1.6 s, timeout 6 s).
 
 Almost all of an execution's time is tool time: the toy harness (`gyre_ray.agents.toy_agent`) reads
 the schedule file the task seeds in its workspace and sleeps before each of its tool steps (standing
@@ -49,7 +50,12 @@ def _normal(seed: int, key: str) -> float:
 
 
 def execution_seconds(schedule: dict[str, Any], workspace_name: str) -> float:
-    """Scaled duration of the execution whose workspace is `workspace_name` (TIMEOUT_S + OVERRUN_S at the cap)."""
+    """Scaled duration of the execution whose workspace is `workspace_name` (the timeout + OVERRUN_S at the cap).
+
+    A run tag before the last `.` (`elastic.s0-lt00-vowels-1`) does not count, so runs that tag their
+    execution ids (a benchmark's policies, one after the other) see the same durations.
+    """
+    workspace_name = workspace_name.rsplit(".", 1)[-1]
     seed = int(schedule["seed"])
     group = workspace_name.rsplit("-", 1)[0]
     rho, sigma = float(schedule["rho"]), float(schedule["sigma_log_hours"])
@@ -102,6 +108,25 @@ def longtail_tasks(
                 prompt=prompt,
                 evaluate=char_coverage_evaluator(targets),
                 files=files,
+                time_limit_s=TIMEOUT_HOURS
+                * seconds_per_hour,  # the scaled timeout, whatever agents.timeout_s
             )
         )
     return tasks
+
+
+def parse_scale(task_set: str) -> float | None:
+    """Seconds per hour of a `longtail` task-set name: `longtail` -> 40, `longtail:4` -> 4; None if not longtail."""
+    if task_set == "longtail":
+        return SECONDS_PER_HOUR
+    if not task_set.startswith("longtail:"):
+        return None
+    try:
+        scale = float(task_set.split(":", 1)[1])
+    except ValueError:
+        scale = math.nan
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(
+            f"task set {task_set!r}: longtail:SECONDS needs a positive number of seconds per hour"
+        )
+    return scale

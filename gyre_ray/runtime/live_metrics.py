@@ -7,7 +7,8 @@
     live.step_done(step_metrics)          # staleness of the update's tokens, version
 
 Tokens generated per cell come from the cells' engine counters (`decode_tokens`), read every few
-seconds. A metrics failure never disturbs the run.
+seconds; the same poll keeps the model calls each engine holds beyond its decode slots
+(`waiting_calls`), which the scheduler passes to the policy as `queued_demand`. A metrics failure never disturbs the run.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class LiveMetrics:
         self._gauges_at = 0.0
         self._engines_at = 0.0
         self._decoded: dict[str, int] = {}
+        self.waiting_calls: dict[int, int] = {}  # cell index -> calls queued beyond its engine's slots
 
     def tick(self, sched: Any) -> None:
         now = time.monotonic()
@@ -62,6 +64,7 @@ class LiveMetrics:
         import ray
 
         statuses = ray.get([a.status.remote() for a in sched.actors], timeout=5)
+        self.waiting_calls = {i: _beyond_slots(s.get("engine", {})) for i, s in enumerate(statuses)}
         for status in statuses:
             cell, decoded = status["cell_id"], int(status.get("engine", {}).get("decode_tokens", 0))
             self.metrics.tokens(cell, generated=decoded - self._decoded.get(cell, decoded))
@@ -80,3 +83,11 @@ class LiveMetrics:
             hist = step.get("staleness", {}).get("hist", {})
             self.metrics.trained_staleness({int(lag): int(n) for lag, n in hist.items()})
             self.metrics.published(int(step["version"]))
+
+
+def _beyond_slots(engine: dict[str, Any]) -> int:
+    """Model calls an engine holds beyond its decode slots (a request waiting for its prefill round
+    while slots are free is not queued demand)."""
+    running, waiting = int(engine.get("running", 0)), int(engine.get("waiting", 0))
+    slots = int(engine.get("max_batch_size", running + waiting))
+    return max(0, running + waiting - slots)

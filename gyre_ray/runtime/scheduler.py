@@ -155,10 +155,14 @@ class RunScheduler(CellRecovery):
         self._reset_recovery(len(self.views))
         self.update: Update | None = None
         self.updates = first_step
+        published = getattr(self, "weights", None), getattr(self, "trainer_version", None)
         self.trainer_version = int(ray.get(self.actors[self.core].trainer_version.remote(), timeout=60))
         self.engine_version = [self.trainer_version] * len(self.views)
         self.sat_version = [self.trainer_version] * len(self.views)
-        self.weights = self.actors[self.core].publish_weights.remote()  # a transfer ticket
+        if published[0] is not None and published[1] == self.trainer_version:
+            self.weights = published[0]  # a run after a run: that version's ticket (a version publishes once)
+        else:
+            self.weights = self.actors[self.core].publish_weights.remote()  # a transfer ticket
         self.policy = policy_from_section(cfg.scheduler, len(self.views))
         self.live = LiveMetrics()  # the Ray dashboard's view of the run
         self._initial_roles()
@@ -253,7 +257,7 @@ class RunScheduler(CellRecovery):
         queued = stream.queued if stream is not None else 0
         state = build_state(
             self._now(), self.updates, self.steps, self.eta, self.views, self.ledger, queued, self.costs,
-            updating=self.update is not None,
+            updating=self.update is not None, waiting_calls=self.live.waiting_calls,
         )  # fmt: skip
         updating = self.update is not None  # roles change once the update is published
         launches: list[Launch] = []
@@ -420,16 +424,12 @@ class RunScheduler(CellRecovery):
                         self.weights, self.trainer_version))  # fmt: skip
             else:
                 self.engine_version[index] = result["version"]
-                stale = self.engine_version[index] < self.trainer_version
-                weights = self.weights if stale else None
-                return self._stage_two(
-                    switch, self.actors[index].load_and_undrain.remote(weights, self.trainer_version)
-                )
-        else:
-            if switch.direction == "to_train":
-                self.sat_version[index] = self.trainer_version
-            elif result.get("version") is not None:
-                self.engine_version[index] = result["version"]
+                return self._catch_up(switch)
+        elif switch.direction == "to_train":
+            self.sat_version[index] = self.trainer_version
+        elif switch.stage == 2:  # a returning cell loaded a version published during its switch
+            self.engine_version[index] = int(result.get("engine", {}).get("version", switch.version))
+            return self._catch_up(switch)
         now = self._now()
         seconds = now - switch.since
         switch.event["seconds"] = round(seconds, 4)
@@ -448,6 +448,16 @@ class RunScheduler(CellRecovery):
     def _stage_two(self, switch: Switch, ref: Any) -> None:
         switch.stage = 2
         self.switches[ref] = switch
+
+    def _catch_up(self, switch: Switch) -> None:
+        """A cell coming back to rollout serves only once it holds the published version: load it
+        (again, if an update was published meanwhile; stage 2), then undrain (stage 3)."""
+        actor = self.actors[switch.cell]
+        if self.engine_version[switch.cell] < self.trainer_version:
+            switch.version = self.trainer_version
+            return self._stage_two(switch, actor.update_weights.remote(self.weights, self.trainer_version))
+        switch.stage = 3
+        self.switches[actor.undrain.remote()] = switch
 
     def _micro_done(self, ref: Any, step: MicroStep) -> None:
         metrics = ray.get(ref)
@@ -511,8 +521,8 @@ class RunScheduler(CellRecovery):
         if update.stage == "step":
             update.stage = "publish"
             update.version = int(update.metrics.get("version", self.trainer_version))
-            if update.version == self.trainer_version:  # no step (nothing to train, or a NaN norm)
-                update.weights = self.weights  # every cell holds this version already
+            if update.version <= self.trainer_version:  # no new weights (a step with nothing to train)
+                update.weights = self.weights
                 return self._next_stage()
             update.weights = core.publish_weights.remote()  # one ticket: every cell fetches it
             for i, view in enumerate(self.views):

@@ -23,7 +23,8 @@ class RunningExecution:
 @dataclass
 class Switch:
     """A role switch of `cell`: `direction` "to_train" / "to_rollout"; `stage` 2 is the catch-up
-    (load the version published meanwhile, then for a rollout cell undrain)."""
+    (load the version published meanwhile), stage 3 a returning cell's undrain once it holds the
+    published version."""
 
     cell: int
     direction: str

@@ -16,6 +16,7 @@ migrations a switch implies); the proxy routes calls by session affinity.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -130,9 +131,13 @@ def build_state(
     queued_micro_batches: int,
     costs: Costs,
     updating: bool = False,
+    waiting_calls: Mapping[int, int] | None = None,
 ) -> SchedState:
     """The policy's view of the run: `version` updates published, `steps` in all, `queued_micro_batches`
-    of the trainable batch (batch `version`) waiting for a trainer."""
+    of the trainable batch (batch `version`) waiting for a trainer.
+
+    `waiting_calls` (cell index -> model calls its engine holds beyond its decode slots, as last
+    polled) feeds `queued_demand` with `queued_demand_of`."""
     loads: dict[int, int] = {}
     for cell in ledger.hosted.values():
         loads[cell] = loads.get(cell, 0) + 1
@@ -182,7 +187,27 @@ def build_state(
         updating=updating,
         switch_to_train_s=costs.switch_to_train_s,
         switch_to_rollout_s=costs.switch_to_rollout_s,
+        queued_demand=queued_demand_of(cells, loads, waiting_calls or {}),
     )
+
+
+def queued_demand_of(
+    cells: list[CellView], loads: Mapping[int, int], waiting_calls: Mapping[int, int]
+) -> float:
+    """Demand (executions) the rollout side holds but cannot serve now: what elastic brings cells back for.
+
+    - executions still booked on a cell that is not in the rollout role (nowhere to migrate to; a
+      rollout cell's own executions, even beyond its capacity, are its `load` already);
+    - model calls waiting in a ready rollout cell's engine beyond its decode slots, one execution
+      each (an agent waits on its call).
+    """
+    queued = 0.0
+    for c in cells:
+        if c.role is not Role.ROLLOUT:
+            queued += loads.get(c.index, 0)
+        elif c.ready:
+            queued += max(0, int(waiting_calls.get(c.index, 0)))
+    return queued
 
 
 def migrate_executions(ledger: ExecutionLedger, leaving: int, cells: list[CellView]) -> dict[int, int]:

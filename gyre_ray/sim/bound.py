@@ -11,11 +11,13 @@ Two bounds, the larger wins:
       U_s >= x + (W_s(released at offset >= t) + max(0, h)) / C + optimizer_step.
   Without the h term, for eta = 0, this is the reference's per-step bound "max over t of
   (t + training work released at or after t / C)", chained over steps.
-- **Work**. Every cell does one thing at a time: (rollout cell-seconds + training cell-seconds) / C,
-  plus the last optimizer step. Rollout cell-seconds = sum of duration x demand / cell capacity.
-  On-policy (eta = 0) the batches roll out one after another, and while a batch's longest
-  execution runs some cell is in the rollout role, so each batch needs at least
-  max(its rollout cell-seconds, its longest execution) of rollout-role time.
+- **Work**. Every cell does one thing at a time: (rollout occupancy R + training cell-seconds W +
+  cell-seconds in which no work can be done) / C, plus the last optimizer step. R = sum of
+  duration x demand / cell capacity. The non-work part is the larger of two lower bounds:
+  the rollout role beyond R (some cell rolls out while any execution runs; batches b and
+  b + eta + 1 never overlap: `rollout_role_lower_bound`; on-policy that is max(R_b, L_b) per
+  batch) and the start-up (before update a, only batches <= a + eta roll out and <= a train:
+  `start_idle_lower_bound`).
 Switch, migration, weight-sync and gradient-sync costs are left out (a fixed split needs no
 switch, a single trainer no gradient sync), so the bound holds for every policy.
 """
@@ -79,11 +81,56 @@ def lower_bound(
             finish = previous
         updates.append(finish + optimizer_step_s)
     chain = updates[-1] if updates else 0.0
-    per_batch = np.bincount(wl.batch, weights=wl.duration_s * wl.demand, minlength=wl.steps)
-    per_batch /= wl.capacity_per_cell(n_cells)
-    if staleness == 0:  # batches do not overlap: the longest execution keeps one cell rolling out
-        longest = np.zeros(wl.steps)
-        np.maximum.at(longest, wl.batch, wl.duration_s)
-        per_batch = np.maximum(per_batch, longest)
-    work_bound = (float(per_batch.sum()) + float(np.sum(work))) / n_cells + optimizer_step_s
+    rollout = wl.duration_s * wl.demand
+    per_batch = np.bincount(wl.batch, weights=rollout, minlength=wl.steps) / wl.capacity_per_cell(n_cells)
+    longest = np.zeros(wl.steps)
+    np.maximum.at(longest, wl.batch, wl.duration_s)
+    rollout_role_s = rollout_role_lower_bound(per_batch, longest, staleness)
+    train_per_batch = np.bincount(wl.batch, weights=work, minlength=wl.steps)
+    idle_s = start_idle_lower_bound(np.asarray(updates), per_batch, train_per_batch, n_cells, staleness)
+    total_work = float(np.sum(per_batch)) + float(np.sum(work))
+    not_working = max(rollout_role_s - float(np.sum(per_batch)), idle_s)
+    work_bound = (total_work + not_working) / n_cells + optimizer_step_s
     return LowerBound(max(chain, work_bound), chain, work_bound, tuple(updates))
+
+
+def rollout_role_lower_bound(rollout_cell_s: np.ndarray, longest_s: np.ndarray, staleness: int) -> float:
+    """Least cell-seconds any schedule spends with cells in the rollout role (docs/scheduling.md).
+
+    `rollout_cell_s[b]`: batch b's occupancy (duration x demand / cell capacity, summed);
+    `longest_s[b]`: its longest execution. Batches b and b + eta + 1 never roll out at the same
+    time (the later one launches after update b, which waits for every execution of b), so for
+    each residue class j of batches mod (eta + 1) their windows are disjoint, and while any of
+    them runs at least one cell is in the rollout role. With G_j = sum over the class of
+    max(0, L_b - R_b) and R_not_j the occupancy of the other classes (which can hide inside those
+    windows at best), the rollout role takes at least R + max_j max(0, G_j - R_not_j).
+    For eta = 0 that is sum_b max(R_b, L_b).
+    """
+    total = float(np.sum(rollout_cell_s))
+    classes = staleness + 1
+    extra = 0.0
+    for j in range(min(classes, rollout_cell_s.size)):
+        gap = float(np.sum(np.maximum(longest_s[j::classes] - rollout_cell_s[j::classes], 0.0)))
+        others = total - float(np.sum(rollout_cell_s[j::classes]))
+        extra = max(extra, gap - others)
+    return total + extra
+
+
+def start_idle_lower_bound(
+    update_lb_s: np.ndarray,
+    rollout_cell_s: np.ndarray,
+    train_cell_s: np.ndarray,
+    n_cells: int,
+    staleness: int,
+) -> float:
+    """Cell-seconds in which no cell can work before some update (docs/scheduling.md, "Start-up").
+
+    Before update a ends (at U_a >= the chain's `update_lb_s[a]`), cells can only roll out batches
+    <= a + eta and train batches <= a; so at least C x U_a minus that work is spent not working.
+    """
+    best = 0.0
+    for a in range(update_lb_s.size - 1):  # the last update's own idle time is the optimizer step
+        top = min(a + staleness, rollout_cell_s.size - 1)
+        available = float(np.sum(rollout_cell_s[: top + 1]) + np.sum(train_cell_s[: a + 1]))
+        best = max(best, n_cells * float(update_lb_s[a]) - available)
+    return best

@@ -158,9 +158,10 @@ def _replay_command(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         return _fail("simulate", f"--trace {run_dir}: not a folder (expected a run folder with trace.jsonl)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
-    split = load_config(args.config, args.overrides).scheduler.async_train_cells or None
+    scheduler = load_config(args.config, args.overrides).scheduler
+    split = scheduler.async_train_cells or None
     try:
-        report = predict_run(run_dir, args.cells, args.staleness, policies, split)
+        report = predict_run(run_dir, args.cells, args.staleness, policies, split, scheduler.elastic_prefetch)
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))
     except SimulationError as exc:

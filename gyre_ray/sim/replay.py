@@ -155,8 +155,11 @@ def predict_run(
     staleness: int | None = None,
     policies: list[str] | None = None,
     async_train_cells: int | None = None,
+    prefetch: str = "eager",
 ) -> dict[str, Any]:
     """Simulate the recorded run (its cells, policy, staleness and split unless given) and compare.
+
+    `prefetch`: the elastic prefetch mode the run used (`scheduler.elastic_prefetch`).
 
     Returns `{"run_dir", "cells", "steps", "staleness", "measured_makespan_s", "policies": {NAME:
     {"predicted_makespan_s", "predicted_over_measured", "lower_bound_s", "switches", "knobs"}}}`;
@@ -170,7 +173,9 @@ def predict_run(
     policies = policies or [costs.policy]
     split = async_train_cells or costs.async_train_cells or max(1, cells // 2)
     wl = run_workload(run_dir, cells, costs)
-    results = simulate(wl, policies, cells, staleness, costs.sim, tune=False, async_train_cells=split)
+    results = simulate(
+        wl, policies, cells, staleness, costs.sim, tune=False, async_train_cells=split, prefetch=prefetch
+    )
     same_run = cells == costs.cells and staleness == costs.staleness
     rows = {}
     for name, result in results.items():
