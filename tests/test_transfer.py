@@ -182,7 +182,7 @@ def test_kv_state_moves_between_cells(backend: str) -> None:
 @needs_mooncake
 def test_mooncake_refuses_a_ticket_whose_buffer_was_reused() -> None:
     core, cell, _ = _peers("mooncake")
-    tickets = [ray.get(core.stage.remote({"x": torch.full((4,), float(i))}, "kv")) for i in range(3)]
+    tickets = [ray.get(core.stage.remote({"x": torch.full((4,), float(i))}, "weights")) for i in range(3)]
     assert ray.get(cell.fetch.remote(tickets[2]))["x"].tolist() == [2.0] * 4
     with pytest.raises(ray.exceptions.RayTaskError, match="ticket too old"):
         ray.get(cell.fetch.remote(tickets[0]))  # two staging buffers: the third stage reused the first's
@@ -190,7 +190,8 @@ def test_mooncake_refuses_a_ticket_whose_buffer_was_reused() -> None:
 
 @needs_mooncake
 def test_mooncake_reuses_a_receive_buffer_only_once_nothing_views_it() -> None:
-    core, _, cell = _peers("mooncake")
+    core = _peers("mooncake")[0]
+    cell = Peer.options(num_cpus=0).remote("mooncake", "cell-6")  # its receive pool is empty
     first, second = (
         ray.get(core.stage.remote({"x": torch.full((1000,), float(i))}, "weights", i)) for i in (1, 2)
     )
@@ -200,6 +201,7 @@ def test_mooncake_reuses_a_receive_buffer_only_once_nothing_views_it() -> None:
     )
     assert probe["second_ptr"] != probe["kept_ptr"]  # the first fetch's tensors are alive: another buffer
     assert probe["third_ptr"] == probe["second_ptr"]  # the second's were dropped: its buffer is reused
+    ray.kill(cell)
 
 
 def _kill_and_wait(actor: Any, timeout_s: float = 120.0) -> None:
