@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import time
 import uuid
 import weakref
@@ -464,9 +465,13 @@ class ProxyService:
 
 
 async def _acknowledge(sent: Any, commit: asyncio.Future) -> None:
-    """Resolve `commit` once the store call `sent` has returned (its error, if it failed)."""
+    """Resolve `commit` once the store call `sent` has returned (its error, if it failed).
+
+    An in-process store applies the batch inside `submit` (nothing to await: durable already).
+    """
     try:
-        await sent
+        if inspect.isawaitable(sent):
+            await sent
     except Exception as exc:
         if not commit.done():
             commit.set_exception(exc)

@@ -169,6 +169,7 @@ class RunScheduler(CellRecovery):
         self.t0 = time.monotonic()
         self.recorder.t0 = self.t0
         deadline = self.t0 + self.timeout_s
+        self.ready = True
         while self.updates < steps:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the run did not finish {steps} steps within {self.timeout_s:.0f} s")
@@ -221,7 +222,7 @@ class RunScheduler(CellRecovery):
 
     def progress(self) -> dict[str, Any]:
         """A snapshot for the driver's progress line."""
-        if not hasattr(self, "ledger"):
+        if not getattr(self, "ready", False):  # run() is still setting up (progress runs concurrently)
             return {"started": False}
         phases = [v.phase.value for v in self.views]
         return {
