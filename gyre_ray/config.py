@@ -48,6 +48,12 @@ class RunSection(Section):
         "(0 = only the final model, no resume).",
     )
     keep_checkpoints: int = Field(2, ge=0, description="Newest checkpoints kept in the run folder (0 = all).")
+    max_core_restarts: int = Field(
+        2,
+        ge=0,
+        description="If the core cell dies, restart the run from its newest checkpoint (or from step 0 if "
+        "there is none yet) at most this many times; 0 = a dead core ends the run with an error.",
+    )
     eval_every: int = Field(
         0,
         ge=0,

@@ -103,23 +103,55 @@ def train(
 
     Thin: config -> runtime -> `scheduler.run(steps)` -> stream progress and per-step metrics -> save.
     `resume`: a run folder to continue from its newest checkpoint (`gyre_ray.resume`), up to
-    `cfg.run.steps`. `engine_factory` / `execute` (an execution runner with `run_planned_execution`'s
-    signature) are for tests and benchmarks.
+    `cfg.run.steps`. If the core cell dies, the run restarts from its newest checkpoint by itself
+    (`gyre_ray.core_restart`, at most `run.max_core_restarts` times). `engine_factory` / `execute`
+    (an execution runner with `run_planned_execution`'s signature) are for tests and benchmarks.
     """
-    import ray
-
-    from gyre_ray.observability.metrics import MetricsLogger
-    from gyre_ray.runtime.cluster import Runtime
-    from gyre_ray.runtime.report import write_costs, write_trace
+    from gyre_ray.core_restart import CoreLost, describe, restart_row
     from gyre_ray.warmup.sft import prepare_policy
 
     cfg = prepare_policy(cfg, runs_root(cfg.run.run_dir))  # the warm-up (a no-op when it is off)
     split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
-    first_step, offset, checkpoint_in = 0, 0.0, None
     if resume is None:
-        run_dir = new_run_dir(cfg)
+        run_dir, start = new_run_dir(cfg), None
     else:
-        run_dir, checkpoint_in, first_step, offset = _resume_folder(cfg, Path(resume))
+        run_dir = Path(resume).resolve()
+        start = _resume_folder(cfg, run_dir, require_latest(run_dir))
+    restarts: list[dict[str, Any]] = []
+    while True:
+        try:
+            return _run_segment(cfg, run_dir, start, restarts, engine_factory, execute)
+        except CoreLost as lost:
+            limit = cfg.run.max_core_restarts
+            if len(restarts) >= limit:
+                raise RuntimeError(
+                    f"{lost.why}; run.max_core_restarts={limit} restart(s) already used: stopping "
+                    f"(`gyre-ray train --resume {run_dir}` continues from the newest checkpoint)"
+                ) from lost
+            row = restart_row(run_dir, lost, len(restarts) + 1)
+            restarts.append(row)
+            print(describe(row, limit), flush=True)
+            start = _resume_folder(cfg, run_dir, latest_checkpoint(run_dir))
+
+
+def _run_segment(
+    cfg: GyreConfig,
+    run_dir: Path,
+    start: tuple[Path | None, int, float] | None,
+    restarts: list[dict[str, Any]],
+    engine_factory: Any,
+    execute: Any,
+) -> dict[str, Any]:
+    """One runtime's part of the run: from `start` ((checkpoint or None, first step, time offset);
+    None = a new run) to the end; raises `CoreLost` when the core cell dies on the way."""
+    import ray
+
+    from gyre_ray.core_restart import CoreLost, core_loss, updates_done
+    from gyre_ray.observability.metrics import MetricsLogger
+    from gyre_ray.runtime.cluster import Runtime
+    from gyre_ray.runtime.report import write_costs, write_trace
+
+    checkpoint_in, first_step, offset = start or (None, 0, 0.0)
     cfg = cfg.model_copy(
         update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})}
     )
@@ -137,15 +169,21 @@ def train(
         run_dir.name,
         json.loads(cfg.model_dump_json()),
         cfg.run.wandb_mode,
-        resume=resume is not None,
+        resume=start is not None,
     )
     try:
         try:
             if checkpoint_in is not None:
                 version = runtime.restore(checkpoint_in)
                 print(f"gyre-ray: resumed from {checkpoint_in} (step {first_step}, weights v{version})")
-            result = _drive(runtime, cfg, logger, run_dir, (first_step, offset), execute)
-            if resume is not None:
+            try:
+                result = _drive(runtime, cfg, logger, run_dir, (first_step, offset), execute)
+            except Exception as exc:
+                why = core_loss(runtime, exc)
+                if why is None:
+                    raise
+                raise CoreLost(why, updates_done(runtime, first_step)) from exc
+            if start is not None:
                 result = merge_segments(run_dir, first_step, offset, result)
             write_trace(run_dir, result["trace"])
             write_costs(run_dir, result["costs"])
@@ -165,6 +203,7 @@ def train(
             "spans": result["spans"],  # each cell's work: (cell, rollout|training|switching, from_s, to_s)
             "switches": result["switches"],
             "eval": read_eval(run_dir),
+            "core_restarts": restarts,
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         report = _write_report(run_dir)
@@ -174,13 +213,13 @@ def train(
     return summary
 
 
-def _resume_folder(cfg: GyreConfig, run_dir: Path) -> tuple[Path, Path, int, float]:
-    """(run folder, its newest checkpoint, the step it resumes at, the new segment's time offset)."""
+def _resume_folder(cfg: GyreConfig, run_dir: Path, checkpoint: Path | None) -> tuple[Path | None, int, float]:
+    """(the checkpoint it resumes from, the step it resumes at, the new segment's time offset); what
+    the folder holds of later steps is set aside. No checkpoint (a core lost before the first one):
+    the run starts again at step 0."""
     from gyre_ray.config import ConfigError
 
-    run_dir = run_dir.resolve()
-    checkpoint = require_latest(run_dir)
-    first_step = int(load_state(checkpoint)["step"])
+    first_step = int(load_state(checkpoint)["step"]) if checkpoint is not None else 0
     if first_step >= cfg.run.steps:
         raise ConfigError(
             f"{run_dir} has done {first_step} step(s), run.steps={cfg.run.steps}: nothing to resume "
@@ -193,7 +232,7 @@ def _resume_folder(cfg: GyreConfig, run_dir: Path) -> tuple[Path, Path, int, flo
             f"gyre-ray: {aside['moved']} record/workspace entries of steps >= {first_step} moved to {aside['to']}"
         )
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    return run_dir, checkpoint, first_step, offset
+    return checkpoint, first_step, offset
 
 
 def _drive(
@@ -329,6 +368,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     )
     lines.append(f"  checkpoint: {summary['checkpoint']} (HF folder + optimizer state)")
     lines += [f"  {format_eval(row)}" for row in summary.get("eval", [])]
+    for row in summary.get("core_restarts", []):
+        lines.append(
+            f"  core restart {row['restart']}: {row['why']}; resumed from step {row['resumed_from_step']} "
+            f"({row['steps_lost']} finished step(s) lost)"
+        )
     costs = summary.get("costs")
     if costs:
         lines.append(

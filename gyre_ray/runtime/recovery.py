@@ -19,7 +19,8 @@ crash, a lost node), as does any other call in flight to that cell. Then `_cell_
   policy sees it switching to rollout (not ready: no launches, no switches).
 
 Without a pool, or after `MAX_RESTARTS` failed restarts, the run goes on with fewer cells. The core
-cannot be replaced this way: its death ends the run with an error (restart from a checkpoint).
+cannot be replaced this way: its death ends the scheduler's run with `CoreLostError`, and the driver
+(`gyre_ray.core_restart`) restarts the run from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from gyre_ray.scheduling.runtime import CellPhase, migrate_executions
 MAX_RESTARTS = 3  # restarts of one cell in a run before the run goes on without it
 IMPORT_WAIT_S = 300.0  # how long a lost satellite's pending gradient import may still take
 REJOIN_SETTLE_S = 120.0  # how long the end of a run waits for cells still restarting
+
+
+class CoreLostError(RuntimeError):
+    """The core cell died: the run cannot go on in this runtime (the driver restarts it from a checkpoint)."""
 
 
 def is_cell_loss(exc: BaseException) -> bool:
@@ -113,7 +118,7 @@ class CellRecovery:
 
     def _cell_lost(self, index: int, why: str) -> None:
         if index == self.core:
-            raise RuntimeError(
+            raise CoreLostError(
                 f"the core cell {self.ids[index]} died ({why}); restart the run from its last checkpoint"
             )
         now = self._now()

@@ -1,0 +1,82 @@
+"""The core cell dies: the driver restarts the run from its newest checkpoint, by itself.
+
+The core holds the only copy of the optimizer state, so the scheduler cannot replace it the way it
+replaces other cells (`gyre_ray.runtime.recovery`): its run ends with `CoreLostError`. The driver
+(`gyre_ray.train.train`) then shuts the runtime down, starts a fresh one and resumes the same run
+folder from its newest complete checkpoint, the code path of `gyre-ray train --resume RUN_DIR`
+(`gyre_ray.resume`), at most `run.max_core_restarts` times in a run. With no checkpoint yet the run
+starts again from step 0 in the same folder. Work lost: the updates done after that checkpoint (none
+with `run.checkpoint_every=1`, the step being checkpointed right as it is published) and the step in
+progress. Every restart is a row of the summary's `core_restarts`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.checkpoint import latest, load_state
+
+
+class CoreLost(Exception):
+    """The core cell died during a segment of the run (`why`; `updates_done`: steps finished by then)."""
+
+    def __init__(self, why: str, updates_done: int) -> None:
+        super().__init__(why)
+        self.why = why
+        self.updates_done = updates_done
+
+
+def core_loss(runtime: Any, exc: BaseException) -> str | None:
+    """Why the core is gone, if `exc` (raised while driving the run) comes from its death; else None.
+
+    The scheduler's `CoreLostError` says so; any other failure counts when the core no longer answers
+    (e.g. it died during a checkpoint the scheduler was writing)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from gyre_ray.runtime.recovery import CoreLostError
+
+    if isinstance(exc, CoreLostError) or isinstance(getattr(exc, "cause", None), CoreLostError):
+        text = str(getattr(exc, "cause", None) or exc).strip().splitlines()[-1]
+        return text.split(";")[0]  # "the core cell cell-0 died (ActorDiedError)"
+    try:
+        ray.get(runtime.core.trainer_version.remote(), timeout=30)
+    except (RayActorError, GetTimeoutError) as gone:
+        return f"the core cell {runtime.core_id} no longer answers ({type(gone).__name__})"
+    return None
+
+
+def updates_done(runtime: Any, fallback: int) -> int:
+    """The steps the scheduler had finished (its progress counter), or `fallback` if it cannot say."""
+    import ray
+
+    try:
+        snapshot = ray.get(runtime.scheduler.progress.remote(), timeout=30)
+    except Exception:
+        return fallback
+    return int(snapshot.get("updates", fallback)) if snapshot.get("started") else fallback
+
+
+def restart_row(run_dir: Path, lost: CoreLost, attempt: int) -> dict[str, Any]:
+    """The summary row of one restart: where it resumes and how many finished steps it loses."""
+    checkpoint = latest(run_dir)
+    step = int(load_state(checkpoint)["step"]) if checkpoint is not None else 0
+    return {
+        "restart": attempt,
+        "why": lost.why,
+        "updates_done": lost.updates_done,
+        "resumed_from_step": step,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "steps_lost": max(0, lost.updates_done - step),
+    }
+
+
+def describe(row: dict[str, Any], limit: int) -> str:
+    """The progress line of a restart."""
+    where = (
+        f"from checkpoint {row['checkpoint']} (step {row['resumed_from_step']})"
+        if row["checkpoint"]
+        else "from the start of the run (no checkpoint yet)"
+    )
+    return f"gyre-ray: {row['why']} after {row['updates_done']} step(s); restarting the run {where}, {row['steps_lost']} finished step(s) lost; restart {row['restart']} of {limit}"
