@@ -227,7 +227,7 @@ class RunScheduler(CellRecovery):
         phases = [v.phase.value for v in self.views]
         return {
             "started": True,
-            "updates": getattr(self, "updates", 0),  # set a moment after the ledger
+            "updates": self.updates,
             "steps": getattr(self, "steps", 0),
             "running": len(self.running),
             "ended": len(self.ledger.ended),
