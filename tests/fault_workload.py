@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from longtail_workload import register_by_value
+
 from gyre_ray.trajectory.records import read_jsonl
 
 
@@ -114,9 +116,5 @@ def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int
 
 
 def ship_by_value() -> None:
-    """Let Ray workers unpickle this module's classes (tests/ is not importable there)."""
-    import sys
-
-    import ray.cloudpickle
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    """Ship this module's classes to Ray workers by value."""
+    register_by_value(__name__)

@@ -94,10 +94,15 @@ class LongTailExecutor:
         )
 
 
-def ship_by_value() -> None:
-    """Let Ray workers unpickle this module's classes (tests/ is not importable there)."""
+def register_by_value(module_name: str) -> None:
+    """Let Ray workers unpickle a tests/ module's classes (tests/ is not importable there)."""
     import sys
 
     import ray.cloudpickle
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(sys.modules[module_name])
+
+
+def ship_by_value() -> None:
+    """Ship this module's classes to Ray workers by value."""
+    register_by_value(__name__)
