@@ -2,14 +2,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-RUN_CONFIG ?= jobs/configs/toy.yaml
+RUN_CONFIG ?= jobs/configs/learn.yaml
 # The real harnesses' versions: pinned here and nowhere else (their tests check the installed ones).
 CLAUDE_CODE_VERSION ?= 2.1.197
 CODEX_VERSION ?= 0.171.0
 CLAUDE_STAMP := .cache/claude/.installed-$(CLAUDE_CODE_VERSION)
 CODEX_STAMP := .cache/codex/.installed-$(CODEX_VERSION)
 
-.PHONY: install install-harnesses run test lint format bench clean
+.PHONY: install install-harnesses run test test-long lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -55,7 +55,11 @@ run: install
 test: install install-harnesses
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -m "not gpu" --timeout=600
+	$(PY) -m pytest -q -m "not gpu and not long" --timeout=600
+
+# The learning runs (tests/test_learning_long.py: 2 seeds and an lr=0 control of the default job), minutes each.
+test-long: install
+	$(PY) -m pytest -q -s -m long --timeout=3600 tests/test_learning_long.py
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -53,19 +53,36 @@ def connect_ray(config: GyreConfig) -> bool:
         ray.init(logging_level="WARNING")
     else:
         gpus = math.ceil(config.cells.num_cells * config.cells.gpus_per_cell)
-        ray.init(
-            address="local",
-            num_cpus=local_ray_cpus(config),
-            num_gpus=gpus or None,
-            include_dashboard=config.run.dashboard,
-            logging_level="WARNING",
-            **(
-                {"_metrics_export_port": config.run.metrics_export_port}
-                if config.run.metrics_export_port
-                else {}
-            ),
+        options: dict = (
+            {"_metrics_export_port": config.run.metrics_export_port} if config.run.metrics_export_port else {}
         )
+        _start_local_ray(
+            num_cpus=local_ray_cpus(config), num_gpus=gpus or None, include_dashboard=config.run.dashboard,
+            logging_level="WARNING", **options,
+        )  # fmt: skip
     return True
+
+
+LOCAL_RAY_ATTEMPTS = 3
+
+
+def _start_local_ray(**options: Any) -> None:
+    """`ray.init(address="local", ...)`, tried again when the new node misses Ray's fixed 30 s start-up
+    wait (its raylet registers late on a machine busy with other work); other errors propagate. The
+    failed attempt's processes are left to the reaper Ray spawned with them, which ends them when this
+    driver exits."""
+    import ray
+
+    for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", **options)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if "timed out during startup" not in str(exc) or attempt == LOCAL_RAY_ATTEMPTS:
+                raise
+            ray.shutdown()
+            print(f"gyre-ray: local Ray did not start in time ({exc}); trying again ({attempt + 1}/"
+                  f"{LOCAL_RAY_ATTEMPTS})", flush=True)  # fmt: skip
 
 
 def trainer_factory_for(config: GyreConfig) -> Any:
