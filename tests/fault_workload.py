@@ -20,6 +20,16 @@ from longtail_workload import register_by_value
 from gyre_ray.trajectory.records import read_jsonl
 
 
+def fault_overrides(cells: int, capacity: int) -> list[str]:
+    """The fault tests' job: `cells` tiny-model cells, 2 tasks x 2 samples a step, float64 weights (the
+    update is compared at 1e-6: float32 sums taken in another order already differ by ~1e-6)."""
+    return [
+        f"cells.num_cells={cells}", "cells.cpus_per_cell=0.5", f"cells.capacity={capacity}", "proxy.port=0",
+        "proxy.queue_timeout_s=5", "run.tasks_per_step=2", "algo.group_size=2", "agents.timeout_s=300",
+        "trainer.lr=1e-3", "model.dtype=float64", "trajectory.row_tokens=64", "trajectory.micro_batch_tokens=64",
+    ]  # fmt: skip
+
+
 @dataclass
 class CountingExecutor:
     """`calls` model calls of `max_tokens` each, `tool_s` apart (picklable; Ray ships it by value)."""
@@ -113,6 +123,26 @@ def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int
             assert len(record.output_ids) == len(record.output_logprobs) == len(record.versions) > 0
             reprefilled += record.meta.get("reprefills", 0)
     return reprefilled
+
+
+def relative_update_gap(start: dict, final: dict, reference: dict) -> float:
+    num = sum(float(((final[k] - reference[k]).double() ** 2).sum()) for k in start)
+    den = sum(float(((reference[k] - start[k]).double() ** 2).sum()) for k in start)
+    assert den > 0, "the reference update is zero: nothing to compare"
+    return (num / den) ** 0.5
+
+
+def reference_weights(rt: Any, start: dict, version: int, batches: list) -> dict:
+    """The update of `batches` on one fault-free trainer from `start` (the single-trainer loop)."""
+    from gyre_ray.algo.gspo import step_scale
+    from gyre_ray.runtime.cluster import trainer_factory_for
+
+    trainer = trainer_factory_for(rt.config)()
+    trainer.load_state_dict(start, version)
+    for batch in batches:
+        trainer.forward_backward(batch)
+    trainer.optimizer_step(step_scale(batches))
+    return trainer.state_dict()
 
 
 def ship_by_value() -> None:

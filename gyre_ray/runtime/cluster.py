@@ -103,9 +103,11 @@ def start_backends(
         engine_factory = PolicyEngineFactory(config.model.model_dump(), config.engine.model_dump())
     records_dir = str(Path(config.proxy.records_dir).resolve())
     head = config.cells.control_resources()
+    proxy = config.proxy
     store = create_store_actor(
-        records_dir, config.proxy.store_max_records, STORE_NAME, namespace, detached, head
-    )
+        records_dir, proxy.store_max_records, STORE_NAME, namespace, detached, head,
+        durable=proxy.durable_records, fsync=proxy.fsync_records,
+    )  # fmt: skip
     cells = config.cells
     try:
         pool = CellPool.start(
@@ -222,7 +224,16 @@ class Runtime:
         ).remote()
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
-        return SchedulerActor.options(name=SCHEDULER_NAME, namespace=self.namespace, resources=head).remote(
+        restarts = (
+            self.config.run.max_scheduler_restarts
+        )  # a call in flight is retried on the restarted actor
+        return SchedulerActor.options(
+            name=SCHEDULER_NAME,
+            namespace=self.namespace,
+            resources=head,
+            max_restarts=restarts,
+            max_task_retries=-1 if restarts else 0,
+        ).remote(
             self.config.model_dump(mode="json"),
             cell_names,
             self.core_id,
