@@ -2,8 +2,8 @@
 
 `CountingExecutor` has `run_planned_execution`'s signature. Each execution makes `calls` chat calls
 through the proxy (each re-sending the conversation so far), sleeping `tool_s` between them, and
-retries a 429/503 after its Retry-After as a harness would; it never gives up on a retryable error
-before `deadline_s`. Its outcome carries how many calls got a 200 (`calls`), so a test compares that
+retries a 429/503 after its Retry-After as a harness would (and a stream that ends in an error
+event, a proxy replica killed mid-call); it never gives up on a retryable error before `deadline_s`. Its outcome carries how many calls got a 200 (`calls`), so a test compares that
 with the records the store kept. Rewards differ within a group (the execution's index in it), so the
 update has gradients to compare.
 """
@@ -71,6 +71,10 @@ class CountingExecutor:
                         time.sleep(float(reply.headers.get("retry-after", "1")))
                         continue
                     reply.raise_for_status()
+                    if self.stream and stream_failed(reply.text):  # a replica died mid-stream: retry
+                        retried += 1
+                        time.sleep(1.0)
+                        continue
                     break
                 ok += 1
                 text = (
@@ -106,6 +110,13 @@ def streamed_text(body: str) -> str:
             for choice in json.loads(line[6:]).get("choices", []):
                 parts.append(choice.get("delta", {}).get("content") or "")
     return "".join(parts)
+
+
+def stream_failed(body: str) -> bool:
+    """True when an event stream carries an error event (the call did not complete)."""
+    import json
+
+    return any(line.startswith("data: {") and "error" in json.loads(line[6:]) for line in body.splitlines())
 
 
 def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int:

@@ -192,7 +192,7 @@ def test_a_durable_store_started_again_on_its_folder_has_every_record_key_and_sp
     with open(tmp_path / "exec-a.jsonl", "a", encoding="utf-8") as fh:
         fh.write('{"execution_id": "exec-a", "call_id": "call-9", "ro')  # the writer killed mid-line
 
-    again = TrajectoryStore(tmp_path, durable=True, fsync=False)
+    again = TrajectoryStore(tmp_path, durable=True, fsync=False, restore=True)
     assert again.execution_for_key(a["api_key"]) == "exec-a"
     assert again.execution_for_key(b["api_key"]) == "exec-b"
     assert again.execution_for_key("gyre-nope") is None
@@ -206,10 +206,15 @@ def test_a_durable_store_started_again_on_its_folder_has_every_record_key_and_sp
     with pytest.raises(StoreError, match="already registered"):
         again.register("exec-a")  # it has records: a true duplicate
     again.register("exec-c")
-    third = TrajectoryStore(tmp_path, durable=True, fsync=False)
+    third = TrajectoryStore(tmp_path, durable=True, fsync=False, restore=True)
     retried = third.register("exec-c")  # registered, never answered: Ray's retry gets a fresh key
     assert third.execution_for_key(retried["api_key"]) == "exec-c"
-    assert TrajectoryStore(tmp_path, durable=True).execution_for_key(retried["api_key"]) == "exec-c"
+    assert (
+        TrajectoryStore(tmp_path, durable=True, restore=True).execution_for_key(retried["api_key"])
+        == "exec-c"
+    )
+    fresh = TrajectoryStore(tmp_path, durable=True)  # a new store (a new or resumed run) starts afresh
+    assert fresh.list_executions() == [] and fresh.execution_for_key(retried["api_key"]) is None
 
 
 def _asgi_app(*messages, raise_after: bool = True):

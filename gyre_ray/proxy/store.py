@@ -9,7 +9,7 @@ It also holds each execution's *splice index*: what the client saw of each recor
 `durable=True` (the runtime's store with `proxy.durable_records`): every record is appended to its
 execution's file when the store applies it (fsync'd per batch, before the batch is acknowledged),
 nothing waits in memory, and registrations go to a registry file (`gyre_ray.proxy.store_files`).
-A store started again on the same folder (Ray restarts the actor) replays them: every execution,
+A store actor Ray starts again after its process died replays them: every execution,
 its key (checked by digest), its records, its splice index. A batch the dead store was applying is
 sent again by Ray's task retry; records already on file (same call id) are not added twice.
 """
@@ -57,6 +57,7 @@ class TrajectoryStore:
         max_records_in_memory: int = 20_000,
         durable: bool = False,
         fsync: bool = True,
+        restore: bool | None = None,
     ) -> None:
         self.records_dir = Path(records_dir)
         self.max_records_in_memory = max_records_in_memory
@@ -69,8 +70,12 @@ class TrajectoryStore:
         self._lock = threading.Lock()
         self.fsync = fsync
         self._registry = store_files.Registry(self.records_dir, fsync) if durable else None
-        if self._registry is not None:
+        if restore is None:  # the actor Ray started again after its process died: take its state back
+            restore = actor_was_restarted()
+        if self._registry is not None and restore:
             self._replay()
+        elif self._registry is not None:  # a new store (a new run, or a resumed one): a new registry
+            self._registry.reset()
 
     # ---- executions and keys -------------------------------------------------------------------
     def register(
@@ -295,6 +300,20 @@ class TrajectoryStore:
                 break
             if ex.records:
                 self._spill(ex)
+
+
+def actor_was_restarted() -> bool:
+    """True inside an actor that Ray restarted after its process died (False outside an actor)."""
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Ray's own deprecation warning inside this call
+        try:
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        except Exception:
+            return False
 
 
 def _store_actor_class() -> Any:

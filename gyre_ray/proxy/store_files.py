@@ -52,6 +52,13 @@ class Registry:
         self.fsync = fsync
         records_dir.mkdir(parents=True, exist_ok=True)
 
+    def reset(self) -> None:
+        """A new store on this folder: an empty registry and no splice keys of earlier stores."""
+        import shutil
+
+        self.path.write_text("", encoding="utf-8")
+        shutil.rmtree(self.path.parent / SPLICE_DIR, ignore_errors=True)
+
     def registered(self, execution_id: str, api_key: str, metadata: dict[str, Any]) -> None:
         self._write({"register": execution_id, "key_sha256": key_digest(api_key), "metadata": metadata})
 

@@ -22,14 +22,13 @@ state from what outlived the old process:
 
 from __future__ import annotations
 
-import contextlib
 import time
-import warnings
 from typing import Any
 
 import ray
 
 from gyre_ray.agents.runner import Endpoint, ExecutionOutcome
+from gyre_ray.proxy.store import actor_was_restarted
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recovery import is_cell_loss
 from gyre_ray.runtime.work import RunningExecution
@@ -37,15 +36,6 @@ from gyre_ray.scheduling.runtime import CellPhase
 
 SETTLE_READS = 3  # consecutive identical role reads of every cell before the reset counts as done
 CALL_TIMEOUT_S = 300.0
-
-
-def was_restarted() -> bool:
-    """True inside an actor that Ray restarted after its process died."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with contextlib.suppress(Exception):  # not an actor (a plain RunScheduler in a test)
-            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    return False
 
 
 class SchedulerReattach:
@@ -56,7 +46,7 @@ class SchedulerReattach:
         self.scheduler_restarts: list[dict[str, Any]] = []
         if getattr(self, "journal", None) is not None:  # the previous run's
             self.journal.close()
-        state = RunJournal.replay(self.run_dir, header) if was_restarted() else None
+        state = RunJournal.replay(self.run_dir, header) if actor_was_restarted() else None
         if state is None:
             self.journal = RunJournal.begin(self.run_dir, header, version)
             return None
