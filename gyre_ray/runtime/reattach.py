@@ -46,8 +46,11 @@ class SchedulerReattach:
         self.scheduler_restarts: list[dict[str, Any]] = []
         if getattr(self, "journal", None) is not None:  # the previous run's
             self.journal.close()
-        state = RunJournal.replay(self.run_dir, header) if actor_was_restarted() else None
+        restarted = actor_was_restarted()
+        state = RunJournal.replay(self.run_dir, header) if restarted else None
         if state is None:
+            if restarted:  # died before this run's journal began: the cells may be mid-switch
+                self._reset_cells()
             self.journal = RunJournal.begin(self.run_dir, header, version)
             return None
         self.journal = RunJournal.resume(self.run_dir)
