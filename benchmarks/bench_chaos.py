@@ -13,9 +13,10 @@ process dies; Ray restarts the actor where the runtime asks for it, Serve replac
 scheduler restarts dead cells). The core's loss (a restart from the checkpoint, `tests/test_faults_core.py`)
 is not injected: it ends this runtime by design.
 
-Reported per run: executions that did not end valid (lost), calls a harness got a 200 for without a
+The fault-free job runs before and after the chaos run (the overhead is taken against their mean,
+so warm-up does not favour either side). Reported per run: executions that did not end valid (lost), calls a harness got a 200 for without a
 record in the store (records lost), steps completed, wall time, and the faults injected (when, what);
-the overhead is chaos wall time / fault-free wall time. JSON under benchmarks/results/.
+the overhead is chaos wall time / mean fault-free wall time. JSON under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -35,19 +36,21 @@ sys.path.insert(0, str(ROOT / "tests"))
 KINDS = ("cell", "store", "replica", "scheduler")
 
 
-def _losses(folder: Path, result: dict[str, Any]) -> dict[str, int]:
-    """Executions not ended valid, 200-answered calls without a record, records beyond the 200s."""
+def _losses(folder: Path, result: dict[str, Any], ok: int) -> dict[str, int]:
+    """Executions not ended valid, 200-answered calls without a record, records beyond the 200s.
+
+    A valid execution got exactly `ok` 200s (the counting harness raises otherwise)."""
     from gyre_ray.trajectory.records import read_jsonl
 
     lost = records_lost = extra = calls = 0
     for row in result["trace"]:
         path = folder / "records" / f"{row['exec_id']}.jsonl"
         records = len(read_jsonl(path)) if path.exists() else 0
-        ok = int(row.get("calls") or 0)
+        answered = 0 if row["dropped"] else ok
         lost += bool(row["dropped"])
-        records_lost += max(0, ok - records)
-        extra += max(0, records - ok)  # a call whose record landed but whose answer the kill cut
-        calls += ok
+        records_lost += max(0, answered - records)
+        extra += max(0, records - answered)  # a call whose record landed but whose answer the kill cut
+        calls += answered
     return {
         "executions_lost": lost,
         "records_lost": records_lost,
@@ -104,7 +107,9 @@ class Injector(threading.Thread):
         return name
 
 
-def _run(rt: Any, steps: int, tag: str, folder: Path, injector: Injector | None) -> dict[str, Any]:
+def _run(
+    rt: Any, steps: int, tag: str, folder: Path, injector: Injector | None, calls: int
+) -> dict[str, Any]:
     import ray
 
     started = time.monotonic()
@@ -120,7 +125,7 @@ def _run(rt: Any, steps: int, tag: str, folder: Path, injector: Injector | None)
         "steps_completed": len(result["steps"]),
         "executions": len(result["trace"]),
         "wall_s": round(wall, 2),
-        **_losses(folder, result),
+        **_losses(folder, result, calls),
         "cell_faults": len(result["faults"]),
         "cells_restarted": sum(bool(f.get("restarted")) for f in result["faults"]),
         "scheduler_restarts": result.get("scheduler_restarts", []),
@@ -164,11 +169,13 @@ def main() -> int:
     executor = CountingExecutor(calls=args.calls, max_tokens=16, tool_s=0.3, deadline_s=600)
     rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": executor}, timeout_s=600)
     try:
-        clean = _run(rt, args.steps, "clean-", folder, None)
+        clean = _run(rt, args.steps, "clean-", folder, None, args.calls)
         print("fault-free", json.dumps(clean))
         injector = Injector(rt, args.seed, tuple(args.gap_s), args.faults)
-        chaos = _run(rt, args.steps, "chaos-", folder, injector)
+        chaos = _run(rt, args.steps, "chaos-", folder, injector, args.calls)
         print("chaos", json.dumps(chaos))
+        after = _run(rt, args.steps, "after-", folder, None, args.calls)  # fault-free again: warm-up fair
+        print("fault-free again", json.dumps(after))
     finally:
         rt.shutdown()
         serve.shutdown()
@@ -178,16 +185,17 @@ def main() -> int:
         "args": vars(args),
         "fault_free": clean,
         "chaos": chaos,
-        "overhead": round(chaos["wall_s"] / clean["wall_s"], 3),
+        "fault_free_after": after,
+        "overhead": round(chaos["wall_s"] / ((clean["wall_s"] + after["wall_s"]) / 2), 3),
     }
     print(
         f"{'run':<11} {'steps':>5} {'execs':>5} {'lost':>4} {'rec lost':>8} {'calls':>5} {'wall s':>7}\n"
         + "\n".join(
             f"{name:<11} {r['steps_completed']:>5} {r['executions']:>5} {r['executions_lost']:>4} "
             f"{r['records_lost']:>8} {r['calls']:>5} {r['wall_s']:>7}"
-            for name, r in (("fault-free", clean), ("chaos", chaos))
+            for name, r in (("fault-free", clean), ("chaos", chaos), ("fault-free", after))
         )
-        + f"\nfaults: {chaos['faults']}\noverhead (chaos / fault-free wall time): {report['overhead']}"
+        + f"\nfaults: {chaos['faults']}\noverhead (chaos / mean fault-free wall time): {report['overhead']}"
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -4,6 +4,7 @@
     journal.launched(exec_id, cell)                 # an execution's harness was handed to `workers`
     journal.ended(exec_id, outcome.to_dict())       # its outcome came back
     journal.published(batch, version, metrics)      # update `batch` is published at `version`
+    journal.fault(event); journal.group_stats(stats) # a cell lost; a group's per-execution figures
     state = RunJournal.replay(run_dir, header)      # a restarted actor: None unless the same run
 
 One JSON object per line in `<run_dir>/scheduler-journal.jsonl`, appended and flushed at each event
@@ -32,6 +33,8 @@ class JournalState:
     launched: dict[int, int] = field(default_factory=dict)
     outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
     published: list[dict[str, Any]] = field(default_factory=list)  # {"batch", "version", "metrics"}
+    faults: list[dict[str, Any]] = field(default_factory=list)  # cell losses, as the summary lists them
+    exec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # per execution, from its group
 
 
 class RunJournal:
@@ -76,6 +79,10 @@ class RunJournal:
                 state.launched[int(event["launched"])] = int(event["cell"])
             elif "ended" in event:
                 state.outcomes[int(event["ended"])] = event["outcome"]
+            elif "fault" in event:
+                state.faults.append(event["fault"])
+            elif "group_stats" in event:
+                state.exec_stats.update(event["group_stats"])
             elif "published" in event:
                 state.published.append(
                     {"batch": event["published"], "version": event["version"], "metrics": event["metrics"]}
@@ -92,6 +99,13 @@ class RunJournal:
 
     def published(self, batch: int, version: int, metrics: dict[str, Any]) -> None:
         self._write({"published": batch, "version": version, "metrics": metrics})
+
+    def fault(self, event: dict[str, Any]) -> None:
+        self._write({"fault": event})
+
+    def group_stats(self, executions: dict[str, dict[str, Any]]) -> None:
+        """The figures of a processed group's executions (calls, tokens: the trace's columns)."""
+        self._write({"group_stats": executions})
 
     def close(self) -> None:
         self._fh.close()

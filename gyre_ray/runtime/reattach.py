@@ -61,6 +61,8 @@ class SchedulerReattach:
         started = time.monotonic()
         for row in state.published:
             self.step_metrics.append(row["metrics"])
+        self.faults.extend(state.faults)
+        self.recorder.exec_stats.update(state.exec_stats)
         self.updates = max([self.first_step, *(row["batch"] + 1 for row in state.published)])
         expected = state.published[-1]["version"] if state.published else state.start_version
         recovered_update = self.trainer_version > expected and self.updates < self.steps

@@ -422,6 +422,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
             index = stream.put(ray.put(batch), batch.meta.get("execution_ids", []))
             self.token_versions[(job.batch, index)] = versions
         self.recorder.group_processed(job.batch, result, self._now() - job.since)
+        self.journal.group_stats(result.executions)
         self.groups_left[job.batch] -= 1
         if self.groups_left[job.batch] == 0:
             stream.seal()
