@@ -31,7 +31,7 @@ from gyre_ray.agents.runner import Endpoint, ExecutionOutcome
 from gyre_ray.proxy.store import actor_was_restarted
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recovery import is_cell_loss
-from gyre_ray.runtime.work import RunningExecution
+from gyre_ray.runtime.work import RunningExecution, Switch
 from gyre_ray.scheduling.runtime import CellPhase
 
 SETTLE_READS = 3  # consecutive identical role reads of every cell before the reset counts as done
@@ -151,6 +151,9 @@ class SchedulerReattach:
     def _reset_cell(self, index: int, status: dict[str, Any]) -> bool:
         actor, core = self.actors[index], index == self.core
         version = (status.get("engine") or {}).get("version")
+        if not status.get("engine") and not core:  # restarted by the old scheduler, never rejoined
+            self._rejoin_restarted(index)
+            return True
         if status["role"] == "train":
             weights = None if core else self.weights
             call = actor.switch_to_rollout.remote(weights, self.trainer_version, discard_grads=True)
@@ -163,3 +166,15 @@ class SchedulerReattach:
         ray.get(call, timeout=CALL_TIMEOUT_S)
         self.views[index].enter(CellPhase.ROLLOUT, 0.0)
         return True
+
+    def _rejoin_restarted(self, index: int) -> None:
+        """A cell the old scheduler had restarted (a new actor, drained, engine not built): rejoin it
+        as after a restart here (`CellRecovery._rejoin_done` undrains it)."""
+        view = self.views[index]
+        event = next((f for f in reversed(self.faults) if f.get("cell") == view.cell_id), None)
+        if event is None:
+            event = {"cell": view.cell_id, "lost": "restarted by the previous scheduler", "restarted": True}
+            self.faults.append(event)
+        ref = self.actors[index].rejoin.remote(self.weights, self.trainer_version)
+        self.restarts[ref] = Switch(index, "restart", self._now(), self.trainer_version, event=event)
+        self.recorder.phase(index, view, CellPhase.TO_ROLLOUT, self._now())

@@ -76,7 +76,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         self.cfg_json = cfg_json
         self.cfg = GyreConfig.model_validate(cfg_json)
         self.ids = list(cell_names)
-        self.actors = [ray.get_actor(cell_names[c], namespace=namespace) for c in self.ids]
+        self.actors = [self._cell_actor(c, cell_names[c], namespace, pool) for c in self.ids]
         self.core = self.ids.index(core_id)
         self.store = ray.get_actor("store", namespace=namespace)
         self.workers = workers if workers is not None else ray.get_actor(WORKERS_NAME, namespace=namespace)
@@ -92,6 +92,17 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         self.step_metrics: list[dict[str, Any]] = []
         self.done = False
         self._init_recovery(pool)
+
+    @staticmethod
+    def _cell_actor(cell_id: str, name: str, namespace: str, pool: Any) -> Any:
+        """The cell's actor by name; a restarted scheduler may find a cell dead and not restarted: then
+        the pool's (dead) handle, which the reattach finds dead and restarts."""
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if pool is None:
+                raise
+            return pool.actors[cell_id]
 
     # ---- the run --------------------------------------------------------------------------------
     def run(
