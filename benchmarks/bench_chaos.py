@@ -156,16 +156,16 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="gyre-chaos-"))
     overrides = [*fault_overrides(cells=3, capacity=2), "proxy.num_replicas=2", "model.dtype=float32"]
     cfg = load_config("jobs/configs/toy.yaml", [*overrides, f"proxy.records_dir={folder / 'records'}"])
-    for attempt in range(3):  # a loaded machine can miss Ray's 30 s raylet start-up wait
+    for attempt in range(6):  # a loaded machine can miss Ray's 30 s raylet start-up wait
         try:
             ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
             break
         except Exception as exc:
             print(f"ray.init failed ({exc}); retrying", file=sys.stderr)
             ray.shutdown()
-            if attempt == 2:
+            if attempt == 5:
                 raise
-            time.sleep(10)
+            time.sleep(20)
     executor = CountingExecutor(calls=args.calls, max_tokens=16, tool_s=0.3, deadline_s=600)
     rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": executor}, timeout_s=600)
     try:

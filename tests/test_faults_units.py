@@ -269,3 +269,26 @@ def test_the_apps_own_answers_pass_the_replica_loss_middleware() -> None:
 
     reply = asyncio.run(call())
     assert reply.status_code == 500 and reply.json() == {"error": {}}
+
+
+def test_the_scheduler_journal_replays_only_its_own_run_and_stops_at_a_torn_line(tmp_path) -> None:
+    from gyre_ray.runtime.journal import RunJournal
+
+    header = {"steps": 2, "first_step": 0, "tag": "s-"}
+    journal = RunJournal.begin(tmp_path, header, 3)
+    journal.launched(0, 1)
+    journal.launched(1, 2)
+    journal.ended(0, {"execution_id": "s-0", "reward": 1.0})
+    journal.fault({"cell": "cell-2", "lost": "ActorDiedError"})
+    journal.published(0, 4, {"step": 0})
+    journal.close()
+    with open(tmp_path / "scheduler-journal.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"ended": 1, "outco')  # the scheduler killed mid-write
+    state = RunJournal.replay(tmp_path, header)
+    assert state.start_version == 3 and state.launched == {0: 1, 1: 2}
+    assert state.outcomes == {0: {"execution_id": "s-0", "reward": 1.0}}  # execution 1 still running
+    assert state.published == [{"batch": 0, "version": 4, "metrics": {"step": 0}}]
+    assert state.faults == [{"cell": "cell-2", "lost": "ActorDiedError"}]
+    assert RunJournal.replay(tmp_path, {**header, "tag": "other-"}) is None  # another run's journal
+    RunJournal.begin(tmp_path, header, 4).close()  # a new run starts the journal afresh
+    assert RunJournal.replay(tmp_path, header).launched == {}

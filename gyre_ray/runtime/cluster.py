@@ -10,6 +10,8 @@ the trajectory store is `store`, the scheduler is `scheduler` and the warm worke
 group processing is `workers`, so the Ray dashboard and tools find them. The cells share one
 placement group with one bundle {"CPU": c, "GPU": g} per cell from the `cells` section
 (`cells.strategy` spreads or packs them over nodes). The scheduler actor gets the pool: it restarts a cell that died.
+Ray restarts a dead scheduler actor (`run.max_scheduler_restarts`; it reattaches, `runtime/reattach.py`)
+and a dead durable store (`proxy.durable_records`; it replays its files).
 The core is the cell this runtime names (`core_id`; cell-0 today), whatever the cells are called.
 A cell's drain flag lives in the cell; every proxy replica routes by it (`ProxyService.watch_drain_state`).
 """
