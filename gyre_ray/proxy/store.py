@@ -115,10 +115,20 @@ class TrajectoryStore:
             found = self._by_digest.get(store_files.key_digest(api_key))
         return found
 
-    def key_of(self, execution_id: str) -> str:
-        """The API key of a registered execution (the runtime's own use: a restarted scheduler launches
-        again an execution it had registered; never exposed over HTTP)."""
-        return self._get(execution_id).api_key
+    def reissue_key(self, execution_id: str) -> str:
+        """A new API key for a registered execution, the old one revoked (the runtime's own use: a
+        restarted scheduler launches again an execution whose harness never started, whose key a
+        restarted store may only know by digest; never exposed over HTTP)."""
+        with self._lock:
+            ex = self._get(execution_id)
+            api_key = "gyre-" + secrets.token_urlsafe(24)
+            self._by_key = {k: e for k, e in self._by_key.items() if e != execution_id}
+            self._by_digest = {d: e for d, e in self._by_digest.items() if e != execution_id}
+            ex.api_key, ex.restored = api_key, False
+            self._by_key[api_key] = execution_id
+            if self._registry is not None:
+                self._registry.rekeyed(execution_id, api_key)
+            return api_key
 
     def execution_info(self, execution_id: str) -> dict[str, Any]:
         ex = self._get(execution_id)

@@ -10,7 +10,7 @@ state from what outlived the old process:
 - the `workers` actor, which the runtime (not the scheduler) owns: the harnesses of the executions in
   flight keep running there, their calls go on through the proxy into the store, and
   `workers.outcome_of` hands their outcomes to the new scheduler. An execution the old scheduler
-  journaled but never got to hand over is launched again (its key is the store's);
+  journaled but never got to hand over is launched again (with a key the store issues anew);
 - the store: finished groups are processed again from their records (the same micro-batches);
 - the cells: each is asked for its role and version and brought back to rollout on the published
   version, undrained. Training of the step in progress starts again from its micro-batches: the
@@ -103,9 +103,9 @@ class SchedulerReattach:
         return counts
 
     def _relaunch(self, run: RunningExecution) -> None:
-        """An execution journaled as launched that `workers` never started: start it now, same key."""
+        """An execution journaled as launched that `workers` never started: start it now (a new key)."""
         item = self.planned[run.exec_id]
-        key = ray.get(self.store.key_of.remote(item.execution_id), timeout=60)
+        key = ray.get(self.store.reissue_key.remote(item.execution_id), timeout=60)
         ref = self.workers.execute.remote(
             self.execute, item.execution_id, self.cfg.agents.task_set, item.task.task_id,
             Endpoint(self.base_url, key), str(self.run_dir / "workspaces" / item.execution_id),
