@@ -133,26 +133,6 @@ def _run(
     }
 
 
-def _patient_raylet_start(wait_s: float = 180.0) -> None:
-    """Ray waits 30 s (fixed) for its raylet to register; on a machine loaded far beyond its cores
-    that is too short, so the registration check is retried here for up to `wait_s`."""
-    import ray._private.services as services
-
-    get_node = services.get_node
-
-    def patient(*args: Any, **kwargs: Any) -> Any:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return get_node(*args, **kwargs)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-
-    services.get_node = patient
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -176,8 +156,16 @@ def main() -> int:
     folder = Path(tempfile.mkdtemp(prefix="gyre-chaos-"))
     overrides = [*fault_overrides(cells=3, capacity=2), "proxy.num_replicas=2", "model.dtype=float32"]
     cfg = load_config("jobs/configs/toy.yaml", [*overrides, f"proxy.records_dir={folder / 'records'}"])
-    _patient_raylet_start()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    for attempt in range(6):  # a loaded machine can miss Ray's 30 s raylet start-up wait
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+            break
+        except Exception as exc:
+            print(f"ray.init failed ({exc}); retrying", file=sys.stderr)
+            ray.shutdown()
+            if attempt == 5:
+                raise
+            time.sleep(10)
     executor = CountingExecutor(calls=args.calls, max_tokens=16, tool_s=0.3, deadline_s=600)
     rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": executor}, timeout_s=600)
     try:
