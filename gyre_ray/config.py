@@ -54,6 +54,13 @@ class RunSection(Section):
         description="If the core cell dies, restart the run from its newest checkpoint (or from step 0 if "
         "there is none yet) at most this many times; 0 = a dead core ends the run with an error.",
     )
+    max_scheduler_restarts: int = Field(
+        3,
+        ge=0,
+        description="If the scheduler actor dies, Ray restarts it at most this many times in a run; the "
+        "restarted one replays its journal, reattaches to the running executions and cells and finishes "
+        "the step (docs/faults.md). 0 = a dead scheduler ends the run.",
+    )
     eval_every: int = Field(
         0,
         ge=0,

@@ -2,8 +2,8 @@
 
 `CountingExecutor` has `run_planned_execution`'s signature. Each execution makes `calls` chat calls
 through the proxy (each re-sending the conversation so far), sleeping `tool_s` between them, and
-retries a 429/503 after its Retry-After as a harness would; it never gives up on a retryable error
-before `deadline_s`. Its outcome carries how many calls got a 200 (`calls`), so a test compares that
+retries a 429/503 after its Retry-After as a harness would (and a stream that ends in an error
+event, a proxy replica killed mid-call); it never gives up on a retryable error before `deadline_s`. Its outcome carries how many calls got a 200 (`calls`), so a test compares that
 with the records the store kept. Rewards differ within a group (the execution's index in it), so the
 update has gradients to compare.
 """
@@ -18,6 +18,16 @@ from typing import Any
 from longtail_workload import register_by_value
 
 from gyre_ray.trajectory.records import read_jsonl
+
+
+def fault_overrides(cells: int, capacity: int) -> list[str]:
+    """The fault tests' job: `cells` tiny-model cells, 2 tasks x 2 samples a step, float64 weights (the
+    update is compared at 1e-6: float32 sums taken in another order already differ by ~1e-6)."""
+    return [
+        f"cells.num_cells={cells}", "cells.cpus_per_cell=0.5", f"cells.capacity={capacity}", "proxy.port=0",
+        "proxy.queue_timeout_s=5", "run.tasks_per_step=2", "algo.group_size=2", "agents.timeout_s=300",
+        "trainer.lr=1e-3", "model.dtype=float64", "trajectory.row_tokens=64", "trajectory.micro_batch_tokens=64",
+    ]  # fmt: skip
 
 
 @dataclass
@@ -61,6 +71,10 @@ class CountingExecutor:
                         time.sleep(float(reply.headers.get("retry-after", "1")))
                         continue
                     reply.raise_for_status()
+                    if self.stream and stream_failed(reply.text):  # a replica died mid-stream: retry
+                        retried += 1
+                        time.sleep(1.0)
+                        continue
                     break
                 ok += 1
                 text = (
@@ -98,6 +112,13 @@ def streamed_text(body: str) -> str:
     return "".join(parts)
 
 
+def stream_failed(body: str) -> bool:
+    """True when an event stream carries an error event (the call did not complete)."""
+    import json
+
+    return any(line.startswith("data: {") and "error" in json.loads(line[6:]) for line in body.splitlines())
+
+
 def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int:
     """Every execution ended valid with all its `calls` 200-answered calls recorded (a harness that
     got no 200 raises, which would fail the run); returns how many calls were re-prefilled."""
@@ -113,6 +134,26 @@ def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int
             assert len(record.output_ids) == len(record.output_logprobs) == len(record.versions) > 0
             reprefilled += record.meta.get("reprefills", 0)
     return reprefilled
+
+
+def relative_update_gap(start: dict, final: dict, reference: dict) -> float:
+    num = sum(float(((final[k] - reference[k]).double() ** 2).sum()) for k in start)
+    den = sum(float(((reference[k] - start[k]).double() ** 2).sum()) for k in start)
+    assert den > 0, "the reference update is zero: nothing to compare"
+    return (num / den) ** 0.5
+
+
+def reference_weights(rt: Any, start: dict, version: int, batches: list) -> dict:
+    """The update of `batches` on one fault-free trainer from `start` (the single-trainer loop)."""
+    from gyre_ray.algo.gspo import step_scale
+    from gyre_ray.runtime.cluster import trainer_factory_for
+
+    trainer = trainer_factory_for(rt.config)()
+    trainer.load_state_dict(start, version)
+    for batch in batches:
+        trainer.forward_backward(batch)
+    trainer.optimizer_step(step_scale(batches))
+    return trainer.state_dict()
 
 
 def ship_by_value() -> None:

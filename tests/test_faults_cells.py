@@ -16,28 +16,21 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from fault_workload import CountingExecutor, check_nothing_lost, ship_by_value  # noqa: E402
+from fault_workload import (  # noqa: E402
+    CountingExecutor,
+    check_nothing_lost,
+    fault_overrides,
+    reference_weights,
+    relative_update_gap,
+    ship_by_value,
+)
 
-from gyre_ray.algo.gspo import step_scale  # noqa: E402
 from gyre_ray.config import load_config  # noqa: E402
-from gyre_ray.runtime.cluster import Runtime, trainer_factory_for  # noqa: E402
+from gyre_ray.runtime.cluster import Runtime  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = [
-    "cells.num_cells=3",
-    "cells.cpus_per_cell=0.5",
-    "cells.capacity=2",
-    "proxy.port=0",
-    "proxy.queue_timeout_s=5",
-    "run.tasks_per_step=2",
-    "algo.group_size=2",
-    "agents.timeout_s=300",
-    "trainer.lr=1e-3",
-    "model.dtype=float64",  # the update is compared at 1e-6: float32 sums in another order differ by ~1e-6
-    "trajectory.row_tokens=64",
-    "trajectory.micro_batch_tokens=64",
-]
+OVERRIDES = fault_overrides(cells=3, capacity=2)
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +68,6 @@ def kill_when(rt: Runtime, run_ref, wanted, timeout_s: float = 300.0) -> tuple[s
                 return cell_id, actor._actor_id.hex(), status
         time.sleep(0.005)
     raise AssertionError("no cell reached the state to kill it in")
-
-
-def relative_update_gap(start: dict, final: dict, reference: dict) -> float:
-    num = sum(float(((final[k] - reference[k]).double() ** 2).sum()) for k in start)
-    den = sum(float(((reference[k] - start[k]).double() ** 2).sum()) for k in start)
-    assert den > 0, "the reference update is zero: nothing to compare"
-    return (num / den) ** 0.5
-
-
-def reference_weights(rt: Runtime, start: dict, version: int, batches: list) -> dict:
-    """The update of `batches` on one fault-free trainer from `start` (the single-trainer loop)."""
-    trainer = trainer_factory_for(rt.config)()
-    trainer.load_state_dict(start, version)
-    for batch in batches:
-        trainer.forward_backward(batch)
-    trainer.optimizer_step(step_scale(batches))
-    return trainer.state_dict()
 
 
 def check_rejoined(rt: Runtime, cell_id: str, old_actor: str, result: dict) -> None:

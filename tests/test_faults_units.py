@@ -165,3 +165,133 @@ def test_untrain_puts_a_lost_micro_batch_first_in_line_and_the_step_is_incomplet
     fresh.put("x", ["e"])
     with pytest.raises(RuntimeError, match="not trained"):
         fresh.untrain(0)
+
+
+def _store_record(execution_id: str, i: int):
+    from gyre_ray.trajectory.records import CallRecord
+
+    return CallRecord(
+        execution_id, f"call-{i}", "main", [1, 2, i + 3], [7, 8 + i], [-0.1, -0.2], [0, 0], 1.0, 2.0
+    )
+
+
+def test_a_durable_store_started_again_on_its_folder_has_every_record_key_and_splice(tmp_path) -> None:
+    """The store actor's process dies: a new store on the same folder (what Ray's restart runs) holds
+    every applied record, knows every key, splices as before; a batch sent again is not doubled, and
+    a record torn mid-write (never acknowledged) is cut off."""
+    from gyre_ray.proxy.store import StoreError, TrajectoryStore
+
+    store = TrajectoryStore(tmp_path, durable=True, fsync=False)
+    a, b = store.register("exec-a"), store.register("exec-b")
+    batch = [(_store_record("exec-a", i), f"key-{i}") for i in range(3)] + [
+        (_store_record("exec-b", 0), None)
+    ]
+    store.add_many(batch)
+    store.finish_execution("exec-b")
+    assert store.stats()["records_in_memory"] == 0  # nothing waits in memory
+    with open(tmp_path / "exec-a.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"execution_id": "exec-a", "call_id": "call-9", "ro')  # the writer killed mid-line
+
+    again = TrajectoryStore(tmp_path, durable=True, fsync=False, restore=True)
+    assert again.execution_for_key(a["api_key"]) == "exec-a"
+    assert again.execution_for_key(b["api_key"]) == "exec-b"
+    assert again.execution_for_key("gyre-nope") is None
+    again.add_many(batch[1:3] + [(_store_record("exec-a", 3), None)])  # Ray's retry of a half-applied batch
+    assert [r.call_id for r in again.records("exec-a")] == [f"call-{i}" for i in range(4)]
+    assert [r.call_id for r in again.records("exec-b")] == ["call-0"]
+    assert again.execution_info("exec-b")["finished"]
+    assert again.stats()["duplicate_records"] == 2
+    assert again.find_outputs("exec-a", ["key-1"]) == {"key-1": ("call-1", [7, 9])}
+    assert not any("gyre-" in line for line in (tmp_path / ".registry.jsonl").read_text().splitlines())
+    with pytest.raises(StoreError, match="already registered"):
+        again.register("exec-a")  # it has records: a true duplicate
+    again.register("exec-c")
+    third = TrajectoryStore(tmp_path, durable=True, fsync=False, restore=True)
+    retried = third.register("exec-c")  # registered, never answered: Ray's retry gets a fresh key
+    assert third.execution_for_key(retried["api_key"]) == "exec-c"
+    assert (
+        TrajectoryStore(tmp_path, durable=True, restore=True).execution_for_key(retried["api_key"])
+        == "exec-c"
+    )
+    reissued = third.reissue_key("exec-a")  # a relaunch after a restart: the old key is revoked
+    assert third.execution_for_key(reissued) == "exec-a" and third.execution_for_key(a["api_key"]) is None
+    assert TrajectoryStore(tmp_path, durable=True, restore=True).execution_for_key(reissued) == "exec-a"
+    fresh = TrajectoryStore(tmp_path, durable=True)  # a new store (a new or resumed run) starts afresh
+    assert fresh.list_executions() == [] and fresh.execution_for_key(retried["api_key"]) is None
+
+
+def _asgi_app(*messages, raise_after: bool = True):
+    async def app(scope, receive, send):
+        for message in messages:
+            await send(message)
+        if raise_after:
+            raise RuntimeError("the replica died")  # what Serve's proxy raises: RayActorError
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("messages", "status", "tail"),
+    [
+        ((), 503, None),  # nothing answered
+        (({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"text/plain")]},
+          {"type": "http.response.body", "body": b"Internal Server Error"}), 503, None),  # Serve's own 500
+        (({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]},
+          {"type": "http.response.body", "body": b'data: {"x": 1}\n\n', "more_body": True}), 200, "[DONE]"),
+    ],
+)  # fmt: skip
+def test_a_call_cut_by_a_dead_replica_is_a_retryable_error(messages, status, tail) -> None:
+    from gyre_ray.proxy.serve_errors import ReplicaLossMiddleware
+
+    app = ReplicaLossMiddleware(_asgi_app(*messages), retry_after_s=2)
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v1/chat/completions", json={})
+
+    reply = asyncio.run(call())
+    assert reply.status_code == status
+    if status == 503:
+        assert reply.headers["retry-after"] == "2"
+        assert reply.json()["error"]["type"] == "service_unavailable"
+    else:  # the stream ends with an error event in the OpenAI shape, then [DONE]
+        events = [line for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert '"service_unavailable"' in events[-2] and events[-1].endswith(tail)
+
+
+def test_the_apps_own_answers_pass_the_replica_loss_middleware() -> None:
+    from gyre_ray.proxy.serve_errors import ReplicaLossMiddleware
+
+    own = ({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]},
+           {"type": "http.response.body", "body": b'{"error": {}}'})  # fmt: skip
+    app = ReplicaLossMiddleware(_asgi_app(*own, raise_after=False))
+
+    async def call():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.post("/v1/messages", json={})
+
+    reply = asyncio.run(call())
+    assert reply.status_code == 500 and reply.json() == {"error": {}}
+
+
+def test_the_scheduler_journal_replays_only_its_own_run_and_stops_at_a_torn_line(tmp_path) -> None:
+    from gyre_ray.runtime.journal import RunJournal
+
+    header = {"steps": 2, "first_step": 0, "tag": "s-"}
+    journal = RunJournal.begin(tmp_path, header, 3)
+    journal.launched(0, 1)
+    journal.launched(1, 2)
+    journal.ended(0, {"execution_id": "s-0", "reward": 1.0})
+    journal.fault({"cell": "cell-2", "lost": "ActorDiedError"})
+    journal.published(0, 4, {"step": 0})
+    journal.close()
+    with open(tmp_path / "scheduler-journal.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"ended": 1, "outco')  # the scheduler killed mid-write
+    state = RunJournal.replay(tmp_path, header)
+    assert state.start_version == 3 and state.launched == {0: 1, 1: 2}
+    assert state.outcomes == {0: {"execution_id": "s-0", "reward": 1.0}}  # execution 1 still running
+    assert state.published == [{"batch": 0, "version": 4, "metrics": {"step": 0}}]
+    assert state.faults == [{"cell": "cell-2", "lost": "ActorDiedError"}]
+    assert RunJournal.replay(tmp_path, {**header, "tag": "other-"}) is None  # another run's journal
+    RunJournal.begin(tmp_path, header, 4).close()  # a new run starts the journal afresh
+    assert RunJournal.replay(tmp_path, header).launched == {}

@@ -312,13 +312,27 @@ class DualRoleCell(RolloutCell):
             return await asyncio.to_thread(trainer.state_dict)
 
     async def publish_weights(self) -> Ticket:
-        """Core: stage the authoritative weights at the trainer's version; the ticket is what cells load."""
+        """Core: stage the authoritative weights at the trainer's version; the ticket is what cells load.
+
+        A version publishes once: asked again (a restarted scheduler), the core returns its ticket."""
         self._require_core("publish_weights")
         trainer = self._trainer()
         async with self._lock:
+            last = self._publisher.last
+            if last is not None and last.version == trainer.version:
+                return last
             state = await asyncio.to_thread(trainer.state_dict)
             version = trainer.version
         return await asyncio.to_thread(self._publisher.publish, state, version)
+
+    async def discard_grads(self) -> int:
+        """Drop the gradients this replica holds (a restarted scheduler trains its step again); returns
+        how many micro-batches they summed."""
+        trainer = self._trainer()
+        async with self._lock:
+            trainer.zero_grads()
+            dropped, self._trained = self._trained, 0
+        return dropped
 
     def trainer_version(self) -> int:
         return self._trainer().version

@@ -120,7 +120,7 @@ class CellPool:
             raise
         return pool
 
-    def _new_actor(self, index: int, draining: bool = False) -> Any:
+    def _new_actor(self, index: int, draining: bool = False, detached: bool = False) -> Any:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -148,7 +148,7 @@ class CellPool:
             num_gpus=spec.bundles[0].get("GPU", 0.0),
             scheduling_strategy=strategy,
             max_concurrency=1000,
-            lifetime="detached" if recipe["detached"] else None,
+            lifetime="detached" if recipe["detached"] or detached else None,
         ).remote(*args, draining=draining)
 
     def restart(self, cell_id: str) -> Any:
@@ -166,7 +166,9 @@ class CellPool:
         if old is not None:
             with contextlib.suppress(Exception):
                 ray.kill(old, no_restart=True)
-        self.actors[cell_id] = actor = self._new_actor(index, draining=True)
+        # detached: the restarted cell does not die with its creator (the scheduler actor, which may
+        # itself be restarted); `shutdown` kills it by name
+        self.actors[cell_id] = actor = self._new_actor(index, draining=True, detached=True)
         return actor
 
     def status(self, timeout_s: float = 30.0) -> list[dict[str, Any]]:

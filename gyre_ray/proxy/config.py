@@ -69,8 +69,14 @@ class ProxySection(Section):
     )
     durable_records: bool = Field(
         True,
-        description="A call returns (its last byte is sent) only once the store actor holds its record, "
-        "so a replica that dies afterwards loses no record; calls ending together share one store call.",
+        description="A call returns (its last byte is sent) only once the store actor has its record on "
+        "file (the execution's JSONL), so neither a replica nor the store dying afterwards loses it; "
+        "calls ending together share one store call and one fsync.",
+    )
+    fsync_records: bool = Field(
+        True,
+        description="With durable_records, fsync each batch of records to its execution's file before "
+        "acknowledging it (off: records survive the store actor's death, not the machine's).",
     )
     records_dir: str = Field(
         "runs/records", description="Folder where finished (or evicted) executions spill as JSONL."

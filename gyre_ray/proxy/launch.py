@@ -130,6 +130,7 @@ def serve_proxy(
     from ray import serve
 
     from gyre_ray.proxy.serve_app import DIRECT_INGRESS_ENV, proxy_application
+    from gyre_ray.proxy.serve_errors import proxy_env
 
     section = config.proxy
     direct = section.direct_ingress and section.num_replicas == 1
@@ -137,7 +138,9 @@ def serve_proxy(
     port = section.port or free_port(section.host)
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     # controller options only apply when this call starts Serve; a running Serve keeps its own
-    controller = {"runtime_env": {"env_vars": dict(DIRECT_INGRESS_ENV)}} if direct else None
+    # (Serve's HTTP proxy actors inherit the controller's env: a dead replica's calls get a 503)
+    env = {**proxy_env(section.retry_after_s), **(DIRECT_INGRESS_ENV if direct else {})}
+    controller = {"runtime_env": {"env_vars": env}}
     serve.start(
         http_options={"host": section.host, "port": port},
         logging_config=quiet,

@@ -56,7 +56,7 @@ class ProxyDeployment:
         section = ProxySection.model_validate(settings["proxy"])
         codec = ChatCodec.for_model(ModelSection.model_validate(settings["model"]))
         cells = {
-            cell_id: RayCellClient(cell_id, ray.get_actor(name, namespace=namespace), name, namespace)
+            cell_id: RayCellClient(cell_id, _named_actor(name, namespace), name, namespace)
             for cell_id, name in settings["cells"].items()
         }
         store = RayStoreClient(ray.get_actor(settings["store"], namespace=namespace))
@@ -70,6 +70,17 @@ class ProxyDeployment:
         with contextlib.suppress(Exception):  # the store is already gone: nothing left to keep them
             self.service.flush_records()
             await asyncio.wait_for(self.service.store.call("stats"), timeout=30)
+
+
+def _named_actor(name: str, namespace: str) -> Any:
+    """The named actor, or None while it is dead and not yet restarted (its client looks it up later):
+    a replica that Serve starts while a cell is down must still start."""
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def proxy_application(settings: dict[str, Any]) -> Any:

@@ -5,6 +5,13 @@ each execution's records in memory until `finish_execution` (or memory pressure)
 `<records_dir>/<execution_id>.jsonl` in the call-record JSONL format of `gyre_ray.trajectory.records`.
 It also holds each execution's *splice index*: what the client saw of each recorded output (its
 `assistant_key`) -> the exact output token ids, so a re-sent assistant turn is rendered token-exact.
+
+`durable=True` (the runtime's store with `proxy.durable_records`): every record is appended to its
+execution's file when the store applies it (fsync'd per batch, before the batch is acknowledged),
+nothing waits in memory, and registrations go to a registry file (`gyre_ray.proxy.store_files`).
+A store actor Ray starts again after its process died replays them: every execution,
+its key (checked by digest), its records, its splice index. A batch the dead store was applying is
+sent again by Ray's task retry; records already on file (same call id) are not added twice.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.proxy import store_files
 from gyre_ray.trajectory.records import CallRecord
 
 EXECUTION_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
@@ -27,9 +35,11 @@ class StoreError(ValueError):
 
 
 class _Execution:
-    def __init__(self, execution_id: str, api_key: str, metadata: dict[str, Any]) -> None:
+    def __init__(self, execution_id: str, api_key: str | None, metadata: dict[str, Any]) -> None:
         self.execution_id = execution_id
-        self.api_key = api_key
+        self.api_key = api_key  # None when restored from the registry (which keeps only its digest)
+        self.restored = False
+        self.call_ids: set[str] = set()  # durable mode: call ids on file (not finished executions)
         self.metadata = metadata
         self.records: list[CallRecord] = []  # not yet spilled
         self.spilled = 0
@@ -41,14 +51,31 @@ class _Execution:
 class TrajectoryStore:
     """Executions, keys, call records (spilled to JSONL) and the splice index."""
 
-    def __init__(self, records_dir: str | Path, max_records_in_memory: int = 20_000) -> None:
+    def __init__(
+        self,
+        records_dir: str | Path,
+        max_records_in_memory: int = 20_000,
+        durable: bool = False,
+        fsync: bool = True,
+        restore: bool | None = None,
+    ) -> None:
         self.records_dir = Path(records_dir)
         self.max_records_in_memory = max_records_in_memory
         self._executions: dict[str, _Execution] = {}
         self._by_key: dict[str, str] = {}
+        self._by_digest: dict[str, str] = {}  # restored executions: key digest -> id
         self._in_memory = 0
         self._rejected = 0
+        self._duplicates = 0
         self._lock = threading.Lock()
+        self.fsync = fsync
+        self._registry = store_files.Registry(self.records_dir, fsync) if durable else None
+        if restore is None:  # the actor Ray started again after its process died: take its state back
+            restore = actor_was_restarted()
+        if self._registry is not None and restore:
+            self._replay()
+        elif self._registry is not None:  # a new store (a new run, or a resumed one): a new registry
+            self._registry.reset()
 
     # ---- executions and keys -------------------------------------------------------------------
     def register(
@@ -60,16 +87,48 @@ class TrajectoryStore:
                 execution_id = "exec-" + secrets.token_hex(8)
             if not isinstance(execution_id, str) or not EXECUTION_ID.match(execution_id):
                 raise StoreError(f"execution_id {execution_id!r} must match {EXECUTION_ID.pattern}")
-            if execution_id in self._executions:
-                raise StoreError(f"execution {execution_id!r} is already registered")
             api_key = "gyre-" + secrets.token_urlsafe(24)
-            self._executions[execution_id] = _Execution(execution_id, api_key, dict(metadata or {}))
+            known = self._executions.get(execution_id)
+            if known is not None and not self._retried_register(known):
+                raise StoreError(f"execution {execution_id!r} is already registered")
+            if known is not None:  # its register reached the dead store, whose answer was lost: new key
+                self._by_digest = {d: e for d, e in self._by_digest.items() if e != execution_id}
+                known.api_key, known.restored = api_key, False
+                self._registry.rekeyed(execution_id, api_key)
+            else:
+                self._executions[execution_id] = _Execution(execution_id, api_key, dict(metadata or {}))
+                if self._registry is not None:
+                    self._registry.registered(execution_id, api_key, dict(metadata or {}))
             self._by_key[api_key] = execution_id
             return {"execution_id": execution_id, "api_key": api_key}
 
+    @staticmethod
+    def _retried_register(ex: _Execution) -> bool:
+        """A register of an execution restored from the registry, with no record yet: the call Ray
+        sends again after the store died (only the runtime registers executions by id)."""
+        return ex.restored and ex.spilled == 0 and not ex.finished
+
     def execution_for_key(self, api_key: str) -> str | None:
         """The execution an API key names, or None."""
-        return self._by_key.get(api_key)
+        found = self._by_key.get(api_key)
+        if found is None and self._by_digest:
+            found = self._by_digest.get(store_files.key_digest(api_key))
+        return found
+
+    def reissue_key(self, execution_id: str) -> str:
+        """A new API key for a registered execution, the old one revoked (the runtime's own use: a
+        restarted scheduler launches again an execution whose harness never started, whose key a
+        restarted store may only know by digest; never exposed over HTTP)."""
+        with self._lock:
+            ex = self._get(execution_id)
+            api_key = "gyre-" + secrets.token_urlsafe(24)
+            self._by_key = {k: e for k, e in self._by_key.items() if e != execution_id}
+            self._by_digest = {d: e for d, e in self._by_digest.items() if e != execution_id}
+            ex.api_key, ex.restored = api_key, False
+            self._by_key[api_key] = execution_id
+            if self._registry is not None:
+                self._registry.rekeyed(execution_id, api_key)
+            return api_key
 
     def execution_info(self, execution_id: str) -> dict[str, Any]:
         ex = self._get(execution_id)
@@ -93,6 +152,8 @@ class TrajectoryStore:
     # ---- records -----------------------------------------------------------------------------------
     def add(self, record: CallRecord, splice_key: str | None = None) -> None:
         """Keep a call record; if `splice_key` is given, index its output ids under it."""
+        if self._registry is not None:
+            return self.add_many([(record, splice_key)])
         with self._lock:
             ex = self._get(record.execution_id)
             if ex.finished:
@@ -101,10 +162,7 @@ class TrajectoryStore:
                 ex.records.append(record)
                 self._in_memory += 1
             if splice_key is not None and record.output_ids:
-                ex.splice[splice_key] = (record.call_id, list(record.output_ids))
-                ex.splice.move_to_end(splice_key)
-                while len(ex.splice) > SPLICE_ENTRIES_PER_EXECUTION:
-                    ex.splice.popitem(last=False)
+                self._index_splice(ex, splice_key, record.call_id, list(record.output_ids))
             if self._in_memory > self.max_records_in_memory:
                 self._spill_oldest()
 
@@ -113,6 +171,8 @@ class TrajectoryStore:
 
         A record of an unknown execution is counted (`rejected_records`) without stopping the batch.
         """
+        if self._registry is not None:
+            return self._add_durably(items)
         for record, splice_key in items:
             try:
                 self.add(record, splice_key)
@@ -145,8 +205,11 @@ class TrajectoryStore:
         with self._lock:
             ex = self._get(execution_id)
             self._spill(ex)
+            if self._registry is not None and not ex.finished:
+                self._registry.finished(execution_id)
             ex.finished = True
             ex.splice.clear()  # a (rare) call after the end is encoded afresh, not spliced
+            ex.call_ids.clear()
             return str(self._path(ex))
 
     def stats(self) -> dict[str, int]:
@@ -155,6 +218,8 @@ class TrajectoryStore:
             "records_in_memory": self._in_memory,
             "finished": sum(ex.finished for ex in self._executions.values()),
             "rejected_records": self._rejected,
+            "records": sum(ex.spilled + len(ex.records) for ex in self._executions.values()),
+            "duplicate_records": self._duplicates,
         }
 
     # ---- internals --------------------------------------------------------------------------------
@@ -180,6 +245,63 @@ class TrajectoryStore:
         self._in_memory -= len(ex.records)
         ex.records = []
 
+    def _add_durably(self, items: list[tuple[CallRecord, str | None]]) -> None:
+        """Durable mode: each execution's new records in one append + fsync; splice keys likewise."""
+        with self._lock:
+            by_execution: dict[str, list[tuple[CallRecord, str | None]]] = {}
+            for record, splice_key in items:
+                ex = self._executions.get(record.execution_id)
+                if ex is None:
+                    self._rejected += 1
+                elif record.call_id in ex.call_ids:
+                    self._duplicates += 1  # sent again after a store restart: already on file
+                else:
+                    ex.call_ids.add(record.call_id)
+                    by_execution.setdefault(ex.execution_id, []).append((record, splice_key))
+            for execution_id, added in by_execution.items():
+                ex = self._executions[execution_id]
+                self.records_dir.mkdir(parents=True, exist_ok=True)
+                store_files.append_records(self._path(ex), [r for r, _ in added], self.fsync)
+                ex.spilled += len(added)
+                if ex.finished:
+                    ex.call_ids.clear()
+                keys = [(key, r.call_id) for r, key in added if key is not None and r.output_ids]
+                for record, key in added:
+                    if key is not None and record.output_ids and not ex.finished:
+                        self._index_splice(ex, key, record.call_id, list(record.output_ids))
+                if keys and not ex.finished:
+                    store_files.append_splice(self.records_dir, execution_id, keys, self.fsync)
+
+    def _index_splice(self, ex: _Execution, key: str, call_id: str, output_ids: list[int]) -> None:
+        ex.splice[key] = (call_id, output_ids)
+        ex.splice.move_to_end(key)
+        while len(ex.splice) > SPLICE_ENTRIES_PER_EXECUTION:
+            ex.splice.popitem(last=False)
+
+    def _replay(self) -> None:
+        """A store started on a folder a previous store wrote in durable mode: take its state back."""
+        assert self._registry is not None
+        for event in self._registry.replay():
+            if "register" in event:
+                ex = _Execution(event["register"], None, event.get("metadata") or {})
+                ex.restored = True
+                self._executions[ex.execution_id] = ex
+                self._by_digest[event["key_sha256"]] = ex.execution_id
+            elif "rekey" in event and event["rekey"] in self._executions:
+                digest = event["key_sha256"]
+                self._by_digest = {d: e for d, e in self._by_digest.items() if e != event["rekey"]}
+                self._by_digest[digest] = event["rekey"]
+            elif "finish" in event and event["finish"] in self._executions:
+                self._executions[event["finish"]].finished = True
+        for ex in self._executions.values():
+            ex.spilled, outputs = store_files.scan_records(self._path(ex))
+            if ex.finished:
+                continue
+            ex.call_ids = set(outputs)
+            for key, call_id in store_files.read_splice(self.records_dir, ex.execution_id):
+                if call_id in outputs and outputs[call_id]:
+                    self._index_splice(ex, key, call_id, outputs[call_id])
+
     def _spill_oldest(self) -> None:
         """Spill executions (oldest registered first) until memory is at most half the bound."""
         target = self.max_records_in_memory // 2
@@ -190,10 +312,27 @@ class TrajectoryStore:
                 self._spill(ex)
 
 
+def actor_was_restarted() -> bool:
+    """True inside an actor that Ray restarted after its process died (False outside an actor)."""
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Ray's own deprecation warning inside this call
+        try:
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        except Exception:
+            return False
+
+
 def _store_actor_class() -> Any:
     import ray
 
     return ray.remote(num_cpus=0, max_concurrency=1)(TrajectoryStore)
+
+
+STORE_RESTARTS = 10  # restarts of a durable store actor in a run (each replays its files)
 
 
 def create_store_actor(
@@ -203,14 +342,20 @@ def create_store_actor(
     namespace: str | None = None,
     detached: bool = False,
     resources: dict[str, float] | None = None,
+    durable: bool = False,
+    fsync: bool = True,
 ) -> Any:
     """Start the store as a Ray actor (sequential: calls from one caller are applied in order).
 
-    `resources`: custom resources it asks for (e.g. the head node's, to run there)."""
+    `resources`: custom resources it asks for (e.g. the head node's, to run there). `durable`: records
+    and registrations on file as they come (see the module docstring); Ray restarts the actor when
+    its process dies and sends the calls in flight again, which the new one answers from its files."""
     cls = _store_actor_class()
     options: dict[str, Any] = {"resources": dict(resources)} if resources else {}
     if name is not None:
         options.update(name=name, namespace=namespace)
     if detached:
         options["lifetime"] = "detached"
-    return cls.options(**options).remote(str(records_dir), max_records_in_memory)
+    if durable:
+        options.update(max_restarts=STORE_RESTARTS, max_task_retries=-1)
+    return cls.options(**options).remote(str(records_dir), max_records_in_memory, durable, fsync)

@@ -10,6 +10,8 @@ the trajectory store is `store`, the scheduler is `scheduler` and the warm worke
 group processing is `workers`, so the Ray dashboard and tools find them. The cells share one
 placement group with one bundle {"CPU": c, "GPU": g} per cell from the `cells` section
 (`cells.strategy` spreads or packs them over nodes). The scheduler actor gets the pool: it restarts a cell that died.
+Ray restarts a dead scheduler actor (`run.max_scheduler_restarts`; it reattaches, `runtime/reattach.py`)
+and a dead durable store (`proxy.durable_records`; it replays its files).
 The core is the cell this runtime names (`core_id`; cell-0 today), whatever the cells are called.
 A cell's drain flag lives in the cell; every proxy replica routes by it (`ProxyService.watch_drain_state`).
 """
@@ -120,9 +122,11 @@ def start_backends(
         engine_factory = PolicyEngineFactory(config.model.model_dump(), config.engine.model_dump())
     records_dir = str(Path(config.proxy.records_dir).resolve())
     head = config.cells.control_resources()
+    proxy = config.proxy
     store = create_store_actor(
-        records_dir, config.proxy.store_max_records, STORE_NAME, namespace, detached, head
-    )
+        records_dir, proxy.store_max_records, STORE_NAME, namespace, detached, head,
+        durable=proxy.durable_records, fsync=proxy.fsync_records,
+    )  # fmt: skip
     cells = config.cells
     try:
         pool = CellPool.start(
@@ -239,7 +243,16 @@ class Runtime:
         ).remote()
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
-        return SchedulerActor.options(name=SCHEDULER_NAME, namespace=self.namespace, resources=head).remote(
+        restarts = (
+            self.config.run.max_scheduler_restarts
+        )  # a call in flight is retried on the restarted actor
+        return SchedulerActor.options(
+            name=SCHEDULER_NAME,
+            namespace=self.namespace,
+            resources=head,
+            max_restarts=restarts,
+            max_task_retries=-1 if restarts else 0,
+        ).remote(
             self.config.model_dump(mode="json"),
             cell_names,
             self.core_id,

@@ -141,6 +141,7 @@ class CellRecovery:
         event = {"cell": view.cell_id, "at_s": round(now, 3), "lost": why, "micro_batches_requeued": requeued,
                  "executions_rehosted": len(rehosted), "batch": self.updates}  # fmt: skip
         self.faults.append(event)
+        self.journal.fault(event)
         self._restart(index, event)
 
     def _requeue_lost_work(self, index: int) -> int:

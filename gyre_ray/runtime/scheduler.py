@@ -22,6 +22,7 @@ cell restarted with the current weights).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from gyre_ray.config import GyreConfig
 from gyre_ray.evaluation import split_tasks
 from gyre_ray.runtime.groups import GroupResult
 from gyre_ray.runtime.live_metrics import LiveMetrics
+from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.recovery import CellRecovery
 from gyre_ray.runtime.stream import MicroBatchStream
@@ -52,7 +54,7 @@ from gyre_ray.scheduling.runtime import (
 from gyre_ray.scheduling.state import Launch, Role, SwitchToRollout, SwitchToTrain
 
 
-class RunScheduler(CellRecovery):
+class RunScheduler(CellRecovery, SchedulerReattach):
     """The run loop (plain class; `SchedulerActor` hosts it as a Ray actor).
 
     `pool`: the runtime's `CellPool`, with which a dead cell is restarted (None: the run goes on without it).
@@ -74,7 +76,7 @@ class RunScheduler(CellRecovery):
         self.cfg_json = cfg_json
         self.cfg = GyreConfig.model_validate(cfg_json)
         self.ids = list(cell_names)
-        self.actors = [ray.get_actor(cell_names[c], namespace=namespace) for c in self.ids]
+        self.actors = [self._cell_actor(c, cell_names[c], namespace, pool) for c in self.ids]
         self.core = self.ids.index(core_id)
         self.store = ray.get_actor("store", namespace=namespace)
         self.workers = workers if workers is not None else ray.get_actor(WORKERS_NAME, namespace=namespace)
@@ -90,6 +92,17 @@ class RunScheduler(CellRecovery):
         self.step_metrics: list[dict[str, Any]] = []
         self.done = False
         self._init_recovery(pool)
+
+    @staticmethod
+    def _cell_actor(cell_id: str, name: str, namespace: str, pool: Any) -> Any:
+        """The cell's actor by name; a restarted scheduler may find a cell dead and not restarted: then
+        the pool's (dead) handle, which the reattach finds dead and restarts."""
+        try:
+            return ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            if pool is None:
+                raise
+            return pool.actors[cell_id]
 
     # ---- the run --------------------------------------------------------------------------------
     def run(
@@ -165,6 +178,12 @@ class RunScheduler(CellRecovery):
             self.weights = self.actors[self.core].publish_weights.remote()  # a transfer ticket
         self.policy = policy_from_section(cfg.scheduler, len(self.views))
         self.live = LiveMetrics()  # the Ray dashboard's view of the run
+        self.t0 = time.monotonic()
+        journaled = self._open_journal(
+            {"steps": steps, "first_step": first_step, "tag": tag}, self.trainer_version
+        )
+        if journaled is not None:  # this actor was restarted mid-run: pick the run up
+            self._reattach(journaled)
         self._initial_roles()
         self.t0 = time.monotonic()
         self.recorder.t0 = self.t0
@@ -196,6 +215,7 @@ class RunScheduler(CellRecovery):
         summary = self.recorder.summary(self, self._cost_report())
         self._settle()
         summary["faults"] = list(self.faults)
+        summary["scheduler_restarts"] = list(self.scheduler_restarts)
         self.done = True
         return summary
 
@@ -299,6 +319,7 @@ class RunScheduler(CellRecovery):
                 cfg.agents.model_dump(),
             )  # fmt: skip
             self.running[ref] = RunningExecution(action.exec_id, action.cell_id, now, self.trainer_version)
+            self.journal.launched(action.exec_id, action.cell_id)
             self.ledger.launch(action.exec_id, action.cell_id, now, self.trainer_version)
             self.recorder.launched(action.exec_id, now, self.trainer_version)
         self.recorder.loads(self, now)
@@ -388,16 +409,23 @@ class RunScheduler(CellRecovery):
 
     def _execution_ended(self, ref: Any, run: RunningExecution) -> None:
         outcome = ray.get(ref)
+        if outcome is None:  # journaled by a scheduler that died before `workers` got it
+            return self._relaunch(run)
         now = self._now()
         self.outcomes[run.exec_id] = outcome
+        self.journal.ended(run.exec_id, outcome.to_dict())
         self.ledger.end(run.exec_id)
         self.recorder.ended(run.exec_id, now, outcome)
         self.recorder.loads(self, now)
-        group = self.planned[run.exec_id].group
-        if all(e in self.outcomes for e in self.groups[group]):
-            outcomes = [self.outcomes[e].to_dict() for e in self.groups[group]]
-            job = self.workers.process_group.remote(self.store, group, outcomes, self.cfg_json, self.proxy)
-            self.jobs[job] = GroupJob(group, self.group_batch[group], now)
+        self._process_if_ended(self.planned[run.exec_id].group, now)
+
+    def _process_if_ended(self, group: str, now: float) -> None:
+        """Once every execution of `group` has ended (and its step is not published), process its records."""
+        if self.group_batch[group] < self.updates or not all(e in self.outcomes for e in self.groups[group]):
+            return
+        outcomes = [self.outcomes[e].to_dict() for e in self.groups[group]]
+        job = self.workers.process_group.remote(self.store, group, outcomes, self.cfg_json, self.proxy)
+        self.jobs[job] = GroupJob(group, self.group_batch[group], now)
 
     def _group_done(self, result: GroupResult, job: GroupJob) -> None:
         stream = self.streams[job.batch]
@@ -405,6 +433,7 @@ class RunScheduler(CellRecovery):
             index = stream.put(ray.put(batch), batch.meta.get("execution_ids", []))
             self.token_versions[(job.batch, index)] = versions
         self.recorder.group_processed(job.batch, result, self._now() - job.since)
+        self.journal.group_stats(result.executions)
         self.groups_left[job.batch] -= 1
         if self.groups_left[job.batch] == 0:
             stream.seal()
@@ -553,6 +582,7 @@ class RunScheduler(CellRecovery):
         ):
             metrics["checkpoint_s"] = self._checkpoint()
         self.step_metrics.append(metrics)
+        self.journal.published(update.batch, update.version, metrics)
         self.live.step_done(metrics)
 
     def _checkpoint(self) -> float:
@@ -604,6 +634,10 @@ class SchedulerActor:
 
     def progress(self) -> dict[str, Any]:
         return self.scheduler.progress()
+
+    def pid(self) -> int:
+        """The actor's process id (a restarted actor is a new process)."""
+        return os.getpid()
 
     def metrics_since(self, count: int) -> list[dict[str, Any]]:
         """Per-step metrics of the steps after the first `count`."""

@@ -6,10 +6,16 @@ machine that costs more CPU than the agents. `RunWorkers` (the named actor `work
 reserved, threaded) runs each harness runner (it mostly waits on its subprocess or the model) and
 each group's processing (`gyre_ray.runtime.groups.process_group`, reading the store) in a thread of
 one long-lived process, with the tokenizer loaded once.
+
+It also remembers each execution's outcome (`outcome_of`): the actor is not the scheduler's (the
+runtime starts it), so its harness threads go on when the scheduler actor dies, and the restarted
+scheduler collects what they return (`gyre_ray.runtime.reattach`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import ray
@@ -17,15 +23,56 @@ import ray
 from gyre_ray.runtime.groups import GroupResult, process_group
 
 WORKERS_NAME = "workers"
+OUTCOMES_KEPT = 100_000  # outcomes of ended executions remembered (a few hundred bytes each)
 
 
 @ray.remote(num_cpus=0, max_concurrency=512)
 class RunWorkers:
     """Threads for executions and group processing (each call is one actor task with its own ref)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, threading.Event] = {}
+        self._ended: OrderedDict[str, tuple[bool, Any]] = OrderedDict()  # id -> (raised, outcome or error)
+
     def execute(self, execute: Any, *args: Any) -> Any:
-        """One execution: `execute(*args)` (`run_planned_execution`'s signature)."""
-        return execute(*args)
+        """One execution: `execute(*args)` (`run_planned_execution`'s signature; args[0] is its id)."""
+        execution_id = str(args[0])
+        with self._lock:
+            done = self._running[execution_id] = threading.Event()
+        try:
+            outcome = execute(*args)
+        except BaseException as exc:
+            self._remember(execution_id, (True, exc), done)
+            raise
+        self._remember(execution_id, (False, outcome), done)
+        return outcome
+
+    def outcome_of(self, execution_id: str, timeout_s: float = 86_400.0) -> Any:
+        """The outcome of execution `execution_id`, once it ends (it raises what the execution raised);
+        None when this actor never started it."""
+        with self._lock:
+            ended = self._ended.get(execution_id)
+            done = self._running.get(execution_id)
+        if ended is None and done is None:
+            return None
+        if ended is None:
+            if not done.wait(timeout_s):
+                raise TimeoutError(f"execution {execution_id} did not end within {timeout_s:.0f} s")
+            ended = self._ended[execution_id]
+        raised, value = ended
+        if raised:
+            raise value
+        return value
+
+    def _remember(self, execution_id: str, ended: tuple[bool, Any], done: threading.Event) -> None:
+        with self._lock:
+            self._ended[execution_id] = ended
+            while len(self._ended) > OUTCOMES_KEPT:
+                self._ended.popitem(last=False)
+            if self._running.get(execution_id) is done:
+                del self._running[execution_id]
+        done.set()
 
     def process_group(
         self,

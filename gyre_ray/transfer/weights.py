@@ -27,6 +27,11 @@ class WeightPublisher:
         self.keep = keep
         self._live: list[Ticket] = []
 
+    @property
+    def last(self) -> Ticket | None:
+        """The ticket of the newest version published (None before the first)."""
+        return self._live[-1] if self._live else None
+
     def publish(self, state: dict[str, Any], version: int) -> Ticket:
         if self._live and self._live[-1].version is not None and version <= self._live[-1].version:
             raise ValueError(

@@ -1,0 +1,129 @@
+"""The store's files in durable mode: what lets a restarted store actor come back with every record.
+
+    registry = Registry(records_dir, fsync=True)  # <records_dir>/.registry.jsonl
+    registry.registered(execution_id, api_key, metadata)   # an execution and the sha-256 of its key
+    registry.finished(execution_id)
+    for event in registry.replay(): ...                    # a restarted store reads them back
+    append_records(path, records, fsync=True)              # a group commit: one write + fsync per file
+    count, call_ids = scan_records(path)                   # a torn last line is cut off
+
+Every call record is appended to its execution's `<execution_id>.jsonl` (the call-record JSONL of
+`gyre_ray.trajectory.records`) when the store applies it, and fsync'd before the batch is
+acknowledged. The registry keeps no API key, only its sha-256: a restarted store checks a
+presented key against it. Execution ids never start with ".", so `.registry.jsonl` names no
+execution, and `.splice/<execution_id>.jsonl` holds each execution's splice keys (key -> call id),
+so a re-sent assistant turn is still rendered token-exact after a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from gyre_ray.trajectory.records import CallRecord
+
+REGISTRY_NAME = ".registry.jsonl"
+SPLICE_DIR = ".splice"
+
+
+def key_digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def _append_lines(path: Path, lines: list[str], fsync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, "".join(lines).encode("utf-8"))
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Registry:
+    """Append-only lines: executions registered (key digest, metadata), re-keyed, finished."""
+
+    def __init__(self, records_dir: Path, fsync: bool = True) -> None:
+        self.path = records_dir / REGISTRY_NAME
+        self.fsync = fsync
+        records_dir.mkdir(parents=True, exist_ok=True)
+
+    def reset(self) -> None:
+        """A new store on this folder: an empty registry and no splice keys of earlier stores."""
+        import shutil
+
+        self.path.write_text("", encoding="utf-8")
+        shutil.rmtree(self.path.parent / SPLICE_DIR, ignore_errors=True)
+
+    def registered(self, execution_id: str, api_key: str, metadata: dict[str, Any]) -> None:
+        self._write({"register": execution_id, "key_sha256": key_digest(api_key), "metadata": metadata})
+
+    def rekeyed(self, execution_id: str, api_key: str) -> None:
+        self._write({"rekey": execution_id, "key_sha256": key_digest(api_key)})
+
+    def finished(self, execution_id: str) -> None:
+        self._write({"finish": execution_id})
+
+    def replay(self) -> Iterator[dict[str, Any]]:
+        """The registry's events in order (a torn last line, the writer killed mid-write, is skipped)."""
+        if not self.path.exists():
+            return
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                yield json.loads(line)
+            except ValueError:
+                return
+
+    def _write(self, event: dict[str, Any]) -> None:
+        _append_lines(self.path, [json.dumps(event) + "\n"], self.fsync)
+
+
+def append_records(path: Path, records: list[CallRecord], fsync: bool) -> None:
+    """Append `records` to `path` in one write (fsync'd when asked)."""
+    _append_lines(path, [record.to_json() + "\n" for record in records], fsync)
+
+
+def append_splice(records_dir: Path, execution_id: str, keys: list[tuple[str, str]], fsync: bool) -> None:
+    """Remember (splice key, call id) pairs of an execution."""
+    folder = records_dir / SPLICE_DIR
+    folder.mkdir(exist_ok=True)
+    lines = [json.dumps({"k": key, "c": call_id}) + "\n" for key, call_id in keys]
+    _append_lines(folder / f"{execution_id}.jsonl", lines, fsync)
+
+
+def read_splice(records_dir: Path, execution_id: str) -> list[tuple[str, str]]:
+    path = records_dir / SPLICE_DIR / f"{execution_id}.jsonl"
+    if not path.exists():
+        return []
+    pairs = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            break
+        pairs.append((item["k"], item["c"]))
+    return pairs
+
+
+def scan_records(path: Path) -> tuple[int, dict[str, list[int]]]:
+    """How many complete records `path` holds and each one's output ids by call id; a torn last line
+    (the store killed mid-write: it was never acknowledged) is cut off the file."""
+    if not path.exists():
+        return 0, {}
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as fh:
+            fh.truncate(end)
+    outputs: dict[str, list[int]] = {}
+    count = 0
+    for line in data[:end].decode("utf-8").splitlines():
+        if line.strip():
+            item = json.loads(line)
+            outputs[item["call_id"]] = list(item.get("output_ids") or [])
+            count += 1
+    return count, outputs

@@ -1,0 +1,115 @@
+"""The scheduler's journal: the little a restarted scheduler actor cannot rebuild from the cells and the store.
+
+    journal = RunJournal.begin(run_dir, header, v)  # a run starts at version v: the file starts afresh
+    journal.launched(exec_id, cell)                 # an execution's harness was handed to `workers`
+    journal.ended(exec_id, outcome.to_dict())       # its outcome came back
+    journal.published(batch, version, metrics)      # update `batch` is published at `version`
+    journal.fault(event); journal.group_stats(stats) # a cell lost; a group's per-execution figures
+    state = RunJournal.replay(run_dir, header)      # a restarted actor: None unless the same run
+
+One JSON object per line in `<run_dir>/scheduler-journal.jsonl`, appended and flushed at each event
+(the scheduler's process dying loses nothing written; a torn last line is ignored on replay). The
+header names the run (`steps`, `first_step`, `tag`), so a restarted actor only replays its own run.
+Everything else is rebuilt: records from the store, micro-batches from the records, roles and
+versions from the cells (`gyre_ray.runtime.reattach`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+JOURNAL_NAME = "scheduler-journal.jsonl"
+
+
+@dataclass
+class JournalState:
+    """What a journal says of its run: executions launched (-> cell), ended (-> outcome), steps published."""
+
+    header: dict[str, Any]
+    start_version: int = 0
+    launched: dict[int, int] = field(default_factory=dict)
+    outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    published: list[dict[str, Any]] = field(default_factory=list)  # {"batch", "version", "metrics"}
+    faults: list[dict[str, Any]] = field(default_factory=list)  # cell losses, as the summary lists them
+    exec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # per execution, from its group
+
+
+class RunJournal:
+    """Append-only event lines of one run (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run's life)
+
+    @classmethod
+    def begin(cls, run_dir: str | Path, header: dict[str, Any], version: int) -> RunJournal:
+        """A new run starting at policy `version`: truncate the journal and write its header."""
+        path = Path(run_dir) / JOURNAL_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("", encoding="utf-8")
+        journal = cls(path)
+        journal._write({"run": header, "version": version})
+        return journal
+
+    @classmethod
+    def resume(cls, run_dir: str | Path) -> RunJournal:
+        """Go on appending to the journal a restarted actor replayed."""
+        return cls(Path(run_dir) / JOURNAL_NAME)
+
+    @staticmethod
+    def replay(run_dir: str | Path, header: dict[str, Any]) -> JournalState | None:
+        """The state of the journaled run if it is the run `header` names; else None."""
+        path = Path(run_dir) / JOURNAL_NAME
+        if not path.exists():
+            return None
+        state: JournalState | None = None
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:  # a line torn by the death of the writer: the last one
+                break
+            if "run" in event:
+                state = JournalState(event["run"], int(event.get("version", 0)))
+            elif state is None:
+                return None
+            elif "launched" in event:
+                state.launched[int(event["launched"])] = int(event["cell"])
+            elif "ended" in event:
+                state.outcomes[int(event["ended"])] = event["outcome"]
+            elif "fault" in event:
+                state.faults.append(event["fault"])
+            elif "group_stats" in event:
+                state.exec_stats.update(event["group_stats"])
+            elif "published" in event:
+                state.published.append(
+                    {"batch": event["published"], "version": event["version"], "metrics": event["metrics"]}
+                )
+        if state is None or state.header != header:
+            return None
+        return state
+
+    def launched(self, exec_id: int, cell: int) -> None:
+        self._write({"launched": exec_id, "cell": cell})
+
+    def ended(self, exec_id: int, outcome: dict[str, Any]) -> None:
+        self._write({"ended": exec_id, "outcome": outcome})
+
+    def published(self, batch: int, version: int, metrics: dict[str, Any]) -> None:
+        self._write({"published": batch, "version": version, "metrics": metrics})
+
+    def fault(self, event: dict[str, Any]) -> None:
+        self._write({"fault": event})
+
+    def group_stats(self, executions: dict[str, dict[str, Any]]) -> None:
+        """The figures of a processed group's executions (calls, tokens: the trace's columns)."""
+        self._write({"group_stats": executions})
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def _write(self, event: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(event, default=str) + "\n")
+        self._fh.flush()

@@ -1,0 +1,180 @@
+"""What a restarted scheduler actor does: it picks up the run where the dead one left it.
+
+The scheduler actor runs with `max_restarts` (`run.max_scheduler_restarts`) and its calls with task
+retries, so when its process dies Ray starts a new one with the same arguments and sends it the
+driver's `run` call again. `SchedulerReattach` (a part of `RunScheduler`) then rebuilds the run's
+state from what outlived the old process:
+
+- the journal (`gyre_ray.runtime.journal`): which executions were launched and on which cell, which
+  ended with which outcome, which steps were published (their metrics);
+- the `workers` actor, which the runtime (not the scheduler) owns: the harnesses of the executions in
+  flight keep running there, their calls go on through the proxy into the store, and
+  `workers.outcome_of` hands their outcomes to the new scheduler. An execution the old scheduler
+  journaled but never got to hand over is launched again (with a key the store issues anew);
+- the store: finished groups are processed again from their records (the same micro-batches);
+- the cells: each is asked for its role and version and brought back to rollout on the published
+  version, undrained. Training of the step in progress starts again from its micro-batches: the
+  gradients summed so far (core and satellites) are dropped, so nothing is counted twice. If the
+  core had already taken the step's optimizer step (its version is ahead of the journal), that
+  update counts as done and is published. A cell that died with the old scheduler (cells it had
+  restarted are detached now, but a kill may hit both) is restarted as after any cell loss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+from gyre_ray.agents.runner import Endpoint, ExecutionOutcome
+from gyre_ray.proxy.store import actor_was_restarted
+from gyre_ray.runtime.journal import JournalState, RunJournal
+from gyre_ray.runtime.recovery import is_cell_loss
+from gyre_ray.runtime.work import RunningExecution, Switch
+from gyre_ray.scheduling.runtime import CellPhase
+
+SETTLE_READS = 3  # consecutive identical role reads of every cell before the reset counts as done
+CALL_TIMEOUT_S = 300.0
+
+
+class SchedulerReattach:
+    """Journal writes during a run, and the reattach of a restarted scheduler (module docstring)."""
+
+    def _open_journal(self, header: dict[str, Any], version: int) -> JournalState | None:
+        """Replay the journal if this actor was restarted during the same run; else start a new one."""
+        self.scheduler_restarts: list[dict[str, Any]] = []
+        if getattr(self, "journal", None) is not None:  # the previous run's
+            self.journal.close()
+        restarted = actor_was_restarted()
+        state = RunJournal.replay(self.run_dir, header) if restarted else None
+        if state is None:
+            if restarted:  # died before this run's journal began: the cells may be mid-switch
+                self._reset_cells()
+            self.journal = RunJournal.begin(self.run_dir, header, version)
+            return None
+        self.journal = RunJournal.resume(self.run_dir)
+        return state
+
+    def _reattach(self, state: JournalState) -> None:
+        """Rebuild the run from `state`, the cells, `workers` and the store (module docstring)."""
+        started = time.monotonic()
+        for row in state.published:
+            self.step_metrics.append(row["metrics"])
+        self.faults.extend(state.faults)
+        self.recorder.exec_stats.update(state.exec_stats)
+        self.updates = max([self.first_step, *(row["batch"] + 1 for row in state.published)])
+        expected = state.published[-1]["version"] if state.published else state.start_version
+        recovered_update = self.trainer_version > expected and self.updates < self.steps
+        reset = self._reset_cells()
+        booked = self._rebook(state)
+        if recovered_update:  # the core stepped; the old scheduler died before the publish was journaled
+            metrics = {"step": self.updates, "recovered_after_scheduler_restart": True}
+            self.journal.published(self.updates, self.trainer_version, metrics)
+            self.step_metrics.append(metrics)
+            self.updates += 1
+        for group in self.groups:
+            self._process_if_ended(group, 0.0)
+        self.scheduler_restarts.append({
+            "at_step": self.updates, "executions_reattached": booked["running"],
+            "executions_ended_before": booked["ended"], "executions_relaunched": 0,
+            "cells_reset": reset, "update_recovered": recovered_update,
+            "reattach_s": round(time.monotonic() - started, 3),
+        })  # fmt: skip
+
+    def _rebook(self, state: JournalState) -> dict[str, int]:
+        """Executions the journal knows: ended ones with their outcome, the others reattached."""
+        counts = {"ended": 0, "running": 0}
+        live = [i for i, v in enumerate(self.views) if not self._restarting(i)]
+        for exec_id, cell in sorted(state.launched.items()):
+            cell = cell if cell in live else live[0]
+            self.ledger.launch(exec_id, cell, 0.0, self.trainer_version)
+            self.recorder.launched(exec_id, 0.0, self.trainer_version)
+            if exec_id in state.outcomes:
+                outcome = ExecutionOutcome(**state.outcomes[exec_id])
+                self.outcomes[exec_id] = outcome
+                self.ledger.end(exec_id)
+                self.recorder.ended(exec_id, 0.0, outcome)
+                counts["ended"] += 1
+                continue
+            ref = self.workers.outcome_of.remote(self.planned[exec_id].execution_id)
+            self.running[ref] = RunningExecution(exec_id, cell, 0.0, self.trainer_version)
+            counts["running"] += 1
+        return counts
+
+    def _relaunch(self, run: RunningExecution) -> None:
+        """An execution journaled as launched that `workers` never started: start it now (a new key)."""
+        item = self.planned[run.exec_id]
+        key = ray.get(self.store.reissue_key.remote(item.execution_id), timeout=60)
+        ref = self.workers.execute.remote(
+            self.execute, item.execution_id, self.cfg.agents.task_set, item.task.task_id,
+            Endpoint(self.base_url, key), str(self.run_dir / "workspaces" / item.execution_id),
+            self.cfg.agents.model_dump(),
+        )  # fmt: skip
+        self.running[ref] = run
+        if self.scheduler_restarts:
+            self.scheduler_restarts[-1]["executions_relaunched"] += 1
+
+    def _reset_cells(self) -> int:
+        """Every live cell back to rollout, undrained, on the published version, holding no gradients;
+        a dead one restarted. Repeated until every cell reads the same twice in a row (a switch the old
+        scheduler started may still be finishing). Returns how many cells needed a reset."""
+        reset: set[int] = set()
+        last: list[Any] = []
+        reads = 0
+        while reads < SETTLE_READS:
+            seen = []
+            for index, actor in enumerate(self.actors):
+                if self._restarting(index):
+                    seen.append("restarting")
+                    continue
+                try:
+                    status = ray.get(actor.status.remote(), timeout=60)
+                    if self._reset_cell(index, status):
+                        reset.add(index)
+                except Exception as exc:
+                    if not is_cell_loss(exc):
+                        raise
+                    self._cell_lost(index, f"{type(exc).__name__} (found by the restarted scheduler)")
+                    seen.append("restarting")
+                    continue
+                seen.append((status["role"], status["draining"], status["unexported_micro_batches"]))
+            reads = reads + 1 if seen == last else 1
+            last = seen
+            if reads < SETTLE_READS:
+                time.sleep(0.5)
+        core = self.actors[self.core]
+        if ray.get(core.discard_grads.remote(), timeout=CALL_TIMEOUT_S):
+            reset.add(self.core)
+        return len(reset)
+
+    def _reset_cell(self, index: int, status: dict[str, Any]) -> bool:
+        actor, core = self.actors[index], index == self.core
+        version = (status.get("engine") or {}).get("version")
+        if not status.get("engine") and not core:  # restarted by the old scheduler, never rejoined
+            self._rejoin_restarted(index)
+            return True
+        if status["role"] == "train":
+            weights = None if core else self.weights
+            call = actor.switch_to_rollout.remote(weights, self.trainer_version, discard_grads=True)
+        elif version is not None and version < self.trainer_version:
+            call = actor.load_and_undrain.remote(self.weights, self.trainer_version)
+        elif status["draining"]:
+            call = actor.undrain.remote()
+        else:
+            return False
+        ray.get(call, timeout=CALL_TIMEOUT_S)
+        self.views[index].enter(CellPhase.ROLLOUT, 0.0)
+        return True
+
+    def _rejoin_restarted(self, index: int) -> None:
+        """A cell the old scheduler had restarted (a new actor, drained, engine not built): rejoin it
+        as after a restart here (`CellRecovery._rejoin_done` undrains it)."""
+        view = self.views[index]
+        event = next((f for f in reversed(self.faults) if f.get("cell") == view.cell_id), None)
+        if event is None:
+            event = {"cell": view.cell_id, "lost": "restarted by the previous scheduler", "restarted": True}
+            self.faults.append(event)
+        ref = self.actors[index].rejoin.remote(self.weights, self.trainer_version)
+        self.restarts[ref] = Switch(index, "restart", self._now(), self.trainer_version, event=event)
+        self.recorder.phase(index, view, CellPhase.TO_ROLLOUT, self._now())
