@@ -8,6 +8,9 @@ CLAUDE_CODE_VERSION ?= 2.1.197
 CODEX_VERSION ?= 0.171.0
 CLAUDE_STAMP := .cache/claude/.installed-$(CLAUDE_CODE_VERSION)
 CODEX_STAMP := .cache/codex/.installed-$(CODEX_VERSION)
+# `make test` runs the suite in this many pytest-xdist workers, a test file per worker at a time
+# (a module's shared Ray / job fixture runs once): many tests wait on Ray start-up, agents and servers.
+TEST_WORKERS ?= 2
 
 .PHONY: install install-harnesses run test test-long lint format bench clean
 
@@ -55,7 +58,7 @@ run: install
 test: install install-harnesses
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -m "not gpu and not long" --timeout=600
+	$(PY) -m pytest -q -m "not gpu and not long" --timeout=600 -n $(TEST_WORKERS) --dist loadfile
 
 # The learning runs (tests/test_learning_long.py: 2 seeds and an lr=0 control of the default job), minutes each.
 test-long: install

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from local_ray import private_ray
 
 from gyre_ray.agents.harnesses import claude_binary
 from gyre_ray.config import load_config
@@ -18,6 +20,17 @@ from gyre_ray.trajectory.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+SECRET = "wandb-secret-in-the-job"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def job_ray() -> Iterator[None]:
+    """One Ray (and Serve) for the module's jobs. The job's secret is in its environment before Ray
+    starts, so the workers that run executions inherit it, as in a job that starts its own Ray."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_API_KEY", SECRET)
+        with private_ray():
+            yield
 
 
 def _train(run_root: Path, *overrides: str) -> dict:
@@ -43,7 +56,7 @@ def test_the_mini_nl2repo_set_runs_through_the_job_with_the_toy_harness(exec_tmp
 
 
 def test_hostile_executions_end_with_reasons_and_the_job_finishes(exec_tmp: Path, monkeypatch) -> None:
-    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-in-the-job")
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
     hidden = nl2repo_mini_path().parent / "hidden/rlekit"
     task = {
         "id": "rle",
