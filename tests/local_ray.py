@@ -10,13 +10,15 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from gyre_ray.runtime.cluster import start_local_ray
+
 
 @contextlib.contextmanager
 def private_ray(**options: Any) -> Iterator[None]:
     """`ray.init(address="local")` with 2 logical CPUs and no dashboard; Serve and Ray stop at the end."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", **options)
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING", **options)
     try:
         yield
     finally:

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from gyre_ray.runtime.cluster import start_local_ray
+
 ray = pytest.importorskip("ray")
 
 from fault_workload import (  # noqa: E402
@@ -38,7 +40,7 @@ def local_ray():
     from ray import serve
 
     ship_by_value()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     serve.shutdown()
     ray.shutdown()

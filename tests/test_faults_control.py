@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from gyre_ray.runtime.cluster import start_local_ray
+
 ray = pytest.importorskip("ray")
 
 from fault_workload import (  # noqa: E402
@@ -39,7 +41,7 @@ def runtime(tmp_path_factory):
     from ray import serve
 
     ship_by_value()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     folder = tmp_path_factory.mktemp("control")
     cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
     rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": EXECUTOR}, timeout_s=300)

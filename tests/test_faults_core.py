@@ -19,6 +19,7 @@ import pytest
 
 from gyre_ray import checkpoint
 from gyre_ray.core_restart import CoreLost, describe, restart_row
+from gyre_ray.runtime.cluster import start_local_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [
@@ -84,7 +85,7 @@ def test_core_killed_after_a_checkpoint_the_run_restarts_and_finishes(capsys) ->
     from gyre_ray.config import load_config
     from gyre_ray.train import train
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     root = Path(tempfile.mkdtemp(prefix="gyre-exec-test-"))  # outside basetemp (see conftest.exec_tmp)
     outcome: dict = {}
     done = threading.Event()

@@ -18,6 +18,8 @@ from collections import Counter
 import httpx
 import pytest
 
+from gyre_ray.runtime.cluster import start_local_ray
+
 ray = pytest.importorskip("ray")
 
 from gyre_ray.cells.factories import ScriptedEngineFactory  # noqa: E402
@@ -33,7 +35,7 @@ OVERRIDES = ["cells.num_cells=2", "cells.cpus_per_cell=0.5", "proxy.port=0", "pr
 def served(tmp_path_factory):
     from ray import serve
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     folder = tmp_path_factory.mktemp("records")
     cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder}"])
     handle = start_proxy(

@@ -19,6 +19,7 @@ from gyre_ray.cells.pool import CellPool
 from gyre_ray.model.checkpoint import load_hf, read_hf_weights, save_hf
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 from gyre_ray.model.tokenizer import Tokenizer
+from gyre_ray.runtime.cluster import start_local_ray
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.factory import make_trainer
 from gyre_ray.transfer import make_transport
@@ -35,7 +36,7 @@ SECTION = dict(backend="megatron", lr=1e-2, weight_decay=0.01, grad_clip=1.0)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     os.environ.setdefault("GLOG_minloglevel", "2")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     # the vocabulary fits the default tokenizer, which a cell loads with the policy
     args = dataclasses.replace(model_args(tied=True), vocab_size=Tokenizer.default().vocab_size)
     model = init_weights(Qwen3ForCausalLM(args), 0, std=0.2)

@@ -16,6 +16,8 @@ import anthropic
 import openai
 import pytest
 
+from gyre_ray.runtime.cluster import start_local_ray
+
 ray = pytest.importorskip("ray")
 
 from gyre_ray.config import load_config  # noqa: E402
@@ -32,7 +34,7 @@ MAX_TOKENS = 96
 def served(tmp_path_factory):
     from ray import serve
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     records = tmp_path_factory.mktemp("records")
     config = load_config(
         None,

@@ -20,6 +20,7 @@ from gyre_ray import checkpoint
 from gyre_ray.cli import main
 from gyre_ray.config import load_config
 from gyre_ray.model.checkpoint import read_hf_weights
+from gyre_ray.runtime.cluster import start_local_ray
 from gyre_ray.train import resume_config, train
 from gyre_ray.trajectory.records import read_jsonl
 
@@ -50,7 +51,7 @@ PICTURES = ("reward.png", "timeline.png", "switches.png", "staleness.png", "eval
 
 @pytest.fixture(scope="module")
 def runs() -> Iterator[dict[str, dict]]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     # Outside pytest's basetemp: a pytest session started meanwhile (as root) closes it to its owner,
     # which would lock the sandboxed executions' users out of their workspaces (see conftest.exec_tmp).
     root = Path(tempfile.mkdtemp(prefix="gyre-exec-test-"))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gyre_ray.runtime.cluster import start_local_ray
+
 ray = pytest.importorskip("ray")
 
 from longtail_workload import LongTailExecutor, ship_by_value  # noqa: E402
@@ -41,7 +43,7 @@ def runtime(tmp_path_factory):
     from ray import serve
 
     ship_by_value()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     folder = tmp_path_factory.mktemp("run")
     cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
     rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": EXECUTOR}, timeout_s=300)

@@ -26,6 +26,7 @@ from gyre_ray.engines.testing import GREEDY, small_model, token_prompt
 from gyre_ray.model.config import ModelSection
 from gyre_ray.proxy.codec import ChatCodec
 from gyre_ray.proxy.local import build_local_proxy
+from gyre_ray.runtime.cluster import start_local_ray
 from gyre_ray.transfer.mooncake import mooncake_available
 
 MOONCAKE_OK, MOONCAKE_WHY = mooncake_available()
@@ -268,7 +269,7 @@ def ray_cluster():
     import ray
 
     os.environ.setdefault("GLOG_minloglevel", "2")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

@@ -15,6 +15,7 @@ import torch
 
 from gyre_ray.engines.base import KVState, SamplingParams
 from gyre_ray.engines.testing import small_model
+from gyre_ray.runtime.cluster import start_local_ray
 from gyre_ray.transfer import TransferError, make_transport
 from gyre_ray.transfer.config import TransferSection
 from gyre_ray.transfer.layout import checksums, plan, read_from, tensor_checksums, write_into
@@ -122,7 +123,7 @@ class Peer:
 @pytest.fixture(scope="module", autouse=True)
 def ray_local():
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO lines
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

@@ -18,6 +18,7 @@ from gyre_ray.cells.factories import ScriptedEngineFactory
 from gyre_ray.cells.pool import CellPool
 from gyre_ray.engines.base import GenerateRequest
 from gyre_ray.engines.testing import GREEDY
+from gyre_ray.runtime.cluster import start_local_ray
 from gyre_ray.transfer import Ticket, TransferError
 from gyre_ray.transfer.mooncake import mooncake_available
 
@@ -36,7 +37,7 @@ BACKENDS = [
 @pytest.fixture(scope="module", autouse=True)
 def ray_local():
     os.environ.setdefault("GLOG_minloglevel", "2")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

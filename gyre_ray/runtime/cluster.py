@@ -58,7 +58,7 @@ def connect_ray(config: GyreConfig) -> bool:
         options: dict = (
             {"_metrics_export_port": config.run.metrics_export_port} if config.run.metrics_export_port else {}
         )
-        _start_local_ray(
+        start_local_ray(
             num_cpus=local_ray_cpus(config), num_gpus=gpus or None, include_dashboard=config.run.dashboard,
             logging_level="WARNING", **options,
         )  # fmt: skip
@@ -68,7 +68,7 @@ def connect_ray(config: GyreConfig) -> bool:
 LOCAL_RAY_ATTEMPTS = 3
 
 
-def _start_local_ray(**options: Any) -> None:
+def start_local_ray(**options: Any) -> None:
     """`ray.init(address="local", ...)`, tried again when the new node misses Ray's fixed 30 s start-up
     wait (its raylet registers late on a machine busy with other work); other errors propagate. The
     failed attempt's processes are left to the reaper Ray spawned with them, which ends them when this
