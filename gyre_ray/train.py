@@ -260,7 +260,7 @@ def _drive(
     with Progress("run", total=cfg.run.steps - first_step) as progress:
         while True:
             finished, _ = ray.wait([done], timeout=1.0)
-            for metrics in ray.get(scheduler.metrics_since.remote(len(steps)), timeout=60):
+            for metrics in _patient_get(scheduler.metrics_since.remote(len(steps))):
                 steps.append(metrics)
                 metrics = shift(metrics, ("published_at_s",), offset)
                 logger.log(metrics["step"], metrics)
@@ -270,7 +270,7 @@ def _drive(
                     evaluator.start(metrics["step"] + 1, version)
             if evaluator is not None:
                 _log_eval(logger, evaluator.poll(version))
-            snapshot = ray.get(scheduler.progress.remote(), timeout=60)
+            snapshot = _patient_get(scheduler.progress.remote())
             progress.update(len(steps), note=_progress_note(snapshot))
             if finished:
                 break
@@ -278,6 +278,24 @@ def _drive(
     if evaluator is not None:
         _log_eval(logger, evaluator.finish(version))
     return result
+
+
+def _patient_get(ref: Any, timeout_s: float = 60.0) -> Any:
+    """`ray.get(ref)`, waiting on past each `timeout_s` with a note: on a busy machine the scheduler
+    actor can take minutes to answer a poll, which is no reason to end the run. A dead actor still
+    raises at once (ActorDiedError)."""
+    import ray
+
+    waited = 0.0
+    while True:
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            waited += timeout_s
+            print(
+                f"gyre-ray: the scheduler has not answered for {waited:.0f} s (busy machine?); waiting",
+                flush=True,
+            )
 
 
 def _log_eval(logger: Any, rows: list[dict[str, Any]]) -> None:
