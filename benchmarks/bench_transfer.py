@@ -3,7 +3,8 @@
 For each payload (the tiny model's state dict; a synthetic ~200 MB state of 4 MiB float32 tensors)
 and each backend (Ray object store, Mooncake TCP on loopback, ray.util.collective gloo broadcast):
 stage seconds on the sender, fetch seconds on the receiver (the transfer itself plus rebuilding the
-tensors), GiB/s of the fetch, and its ratio to a local memcpy of the same bytes measured in the
+tensors; for collectives, the broadcast on the sender, group set-up and tear-down included, plus the
+receiver's rebuild), GiB/s of the fetch, and its ratio to a local memcpy of the same bytes measured in the
 receiver's process in the same run. Every delivery is checked bit for bit (CRC-32 per tensor).
 Median of `--rounds` interleaved rounds.
 
@@ -36,19 +37,19 @@ import torch  # noqa: E402
 from gyre_ray.model.arch import ModelArgs  # noqa: E402
 from gyre_ray.model.config import ModelSection  # noqa: E402
 from gyre_ray.transfer import make_transport  # noqa: E402
+from gyre_ray.transfer.collective import CollectiveHost  # noqa: E402
 from gyre_ray.transfer.config import TransferSection  # noqa: E402
 from gyre_ray.transfer.layout import tensor_checksums  # noqa: E402
 from gyre_ray.transfer.mooncake import mooncake_available  # noqa: E402
 
 
-@ray.remote(num_cpus=0)
-class End:
+class _End:
     def __init__(self, backend: str, owner: str) -> None:
         self.transport = make_transport(backend, TransferSection(verify_checksums=False), owner=owner)
         self.payloads: dict[str, Any] = {}
 
-    def join(self, world: int, rank: int) -> None:
-        self.transport.join(world, rank)
+    def connect(self, peers: list[str]) -> None:
+        self.transport.connect(self.transport.owner, None, peers)
 
     def make(self, name: str, mib: int) -> int:
         if name == "tiny-model":
@@ -66,8 +67,13 @@ class End:
         ticket = self.transport.stage(self.payloads[name], kind="weights", version=version)
         return ticket, time.perf_counter() - start
 
-    def push(self, ticket: Any) -> None:
+    def push(self, ticket: Any) -> float:
+        """Collectives: the broadcast (a group formed for it, the bytes sent, the group torn down)."""
+        start = time.perf_counter()
         self.transport.push(ticket)
+        return time.perf_counter() - start
+
+    def release(self, ticket: Any) -> None:
         self.transport.release(ticket)
 
     def fetch(self, ticket: Any) -> tuple[float, tuple[int, ...]]:
@@ -86,6 +92,15 @@ class End:
         start = time.perf_counter()
         dst.copy_(src)
         return time.perf_counter() - start
+
+
+End = ray.remote(num_cpus=0)(_End)
+
+
+@ray.remote(num_cpus=0)
+class CollectiveEnd(_End, CollectiveHost):
+    def _collective(self) -> Any:
+        return self.transport
 
 
 def _load() -> str:
@@ -164,9 +179,12 @@ def main() -> None:
         print(f"mooncake skipped: {why}")
     ends = {}
     for backend in backends:
-        ends[backend] = [End.remote(backend, f"cell-{i}") for i in range(2)]
         if backend == "collective":
-            ray.get([e.join.remote(2, i) for i, e in enumerate(ends[backend])])
+            names = ["cell-0", "cell-1"]
+            ends[backend] = [CollectiveEnd.options(name=n).remote(backend, n) for n in names]
+            ray.get([e.connect.remote(names) for e in ends[backend]])
+        else:
+            ends[backend] = [End.remote(backend, f"cell-{i}") for i in range(2)]
     payloads = {}
     for name in ("tiny-model", "synthetic"):
         sizes = {ray.get(s.make.remote(name, a.mib)) for s, _ in ends.values()}
@@ -176,7 +194,10 @@ def main() -> None:
         for name, nbytes in payloads.items():
             for backend, (sender, receiver) in ends.items():
                 ticket, stage_s = ray.get(sender.stage.remote(name, r + 1))
-                (fetch_s, sums), _ = ray.get([receiver.fetch.remote(ticket), sender.push.remote(ticket)])
+                push_s = ray.get(sender.push.remote(ticket))  # collectives: the broadcast; else a no-op
+                fetch_s, sums = ray.get(receiver.fetch.remote(ticket))
+                fetch_s += push_s if backend == "collective" else 0.0
+                ray.get(sender.release.remote(ticket))
                 if sums != ray.get(sender.checksums.remote(name)):
                     raise SystemExit(f"{backend}: {name} arrived with different bytes")
                 memcpy_s = ray.get(receiver.memcpy_s.remote(nbytes))

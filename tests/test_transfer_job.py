@@ -1,0 +1,170 @@
+"""The same one-step job through each weights/gradients backend: it runs end to end on every one, and the
+first update (the core's weights after its optimizer step) is the same whichever backend carried the
+weights and the gradients.
+
+One local Ray for the module, one `Runtime` per backend on it, one after the other (two tiny-model
+dual-role cells in float64, the scheduler actor, eta 0, one task of two executions). The executions
+are deterministic: a fixed number of calls, each sampled with a seed of its own (`SeededExecutor`),
+so every job trains the same micro-batches, and the test checks that it did before comparing the
+updates. Then, on the collectives job: a cell restarted after a fault missed that broadcast, so it
+rejoins through the object store (logged, counted), and the next version's group has it again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import torch  # noqa: E402
+from longtail_workload import register_by_value  # noqa: E402
+from test_faults_cells import reference_weights, relative_update_gap  # noqa: E402
+
+from gyre_ray.config import load_config  # noqa: E402
+from gyre_ray.runtime.cluster import Runtime  # noqa: E402
+from gyre_ray.transfer.mooncake import mooncake_available  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MOONCAKE_OK, MOONCAKE_WHY = mooncake_available()
+BACKENDS = [
+    "object_store",
+    pytest.param(
+        "mooncake",
+        marks=pytest.mark.skipif(
+            not MOONCAKE_OK and os.environ.get("CI") != "true", reason=f"Mooncake cannot load: {MOONCAKE_WHY}"
+        ),
+    ),
+    "collective",
+]
+OVERRIDES = [
+    "cells.num_cells=2",
+    "cells.cpus_per_cell=0.5",
+    "cells.capacity=2",
+    "proxy.port=0",
+    "run.tasks_per_step=1",
+    "algo.group_size=2",
+    "agents.timeout_s=120",
+    "trainer.lr=1e-3",
+    "model.dtype=float64",  # float32 sums in another order differ by ~1e-6: compare the bytes' effect only
+    "trajectory.row_tokens=32",
+    "trajectory.micro_batch_tokens=32",  # several micro-batches: both cells train, gradients move
+    "transfer.verify_checksums=true",
+]
+
+
+@dataclass
+class SeededExecutor:
+    """`calls` chat calls of `max_tokens` each, every one with its own sampling seed (picklable)."""
+
+    calls: int = 2
+    max_tokens: int = 12
+
+    def __call__(
+        self, execution_id: str, task_set: str, task_id: str, endpoint: Any, workspace: str, section: dict
+    ) -> Any:
+        import httpx
+
+        from gyre_ray.agents.runner import ExecutionOutcome
+
+        Path(workspace).mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        messages = [{"role": "user", "content": f"task {task_id}"}]
+        headers = {"Authorization": f"Bearer {endpoint.api_key}"}
+        with httpx.Client(base_url=endpoint.base_url, headers=headers, timeout=120.0) as client:
+            for call in range(self.calls):
+                body = {"model": "policy", "messages": messages, "max_tokens": self.max_tokens,
+                        "temperature": 1.0, "seed": zlib.crc32(f"{execution_id}/{call}".encode())}  # fmt: skip
+                while (reply := client.post("/v1/chat/completions", json=body)).status_code in (429, 503):
+                    time.sleep(float(reply.headers.get("retry-after", "1")))
+                reply.raise_for_status()
+                text = reply.json()["choices"][0]["message"]["content"] or ""
+                messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "tool: ok"}]
+        index = int(execution_id.rsplit("-", 1)[-1])
+        return ExecutionOutcome(execution_id, task_id, 0, False, time.monotonic() - started,
+                                float(index % 2), True, "", "", calls=self.calls)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from ray import serve
+
+    register_by_value(__name__)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+JOBS: dict[str, dict[str, Any]] = {}  # backend -> what its job left (weights after the update, batches)
+
+
+def _tokens(batches: list) -> list[list[int]]:
+    return [b.input_ids.reshape(-1).tolist() for b in batches]
+
+
+def _status(rt: Runtime, cell_id: str) -> dict:
+    return ray.get(ray.get_actor(cell_id, namespace=rt.namespace).status.remote(), timeout=60)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_step_job_gives_the_same_update_through_every_backend(local_ray, tmp_path, backend) -> None:
+    overrides = [*OVERRIDES, f"transfer.weights={backend}", f"transfer.gradients={backend}"]
+    cfg = load_config("jobs/configs/toy.yaml", [*overrides, f"proxy.records_dir={tmp_path / 'records'}"])
+    rt = Runtime.start(cfg, scheduler_options={"run_dir": str(tmp_path), "execute": SeededExecutor()})
+    try:
+        start = ray.get(rt.core.state_dict.remote(), timeout=60)
+        result = ray.get(
+            rt.scheduler.run.remote(1, scheduler={"policy": "elastic", "staleness": 0}), timeout=600
+        )
+        (step,) = result["steps"]
+        assert step["version"] == 1 and step["executions"] == step["valid"] == 2
+        assert sum(step["trained_by_cell"].values()) == step["micro_batches"] > 1
+        batches = ray.get(rt.scheduler.micro_batches.remote(0), timeout=60)
+        final = ray.get(rt.core.state_dict.remote(), timeout=60)
+        gap = relative_update_gap(start, final, reference_weights(rt, start, 0, batches))
+        assert gap <= 1e-6, f"{backend}: the update differs from the single-trainer replay by {gap:.2e}"
+        statuses = {c: _status(rt, c) for c in rt.pool.cell_ids}
+        assert {s["engine"]["version"] for s in statuses.values()} == {1}  # every cell serves the update
+        if backend == "collective":
+            core, cell = statuses["cell-0"]["collective"], statuses["cell-1"]["collective"]
+            assert core["last_push"]["received"] == ["cell-1"] and cell["fallback"] == 0
+            check_restarted_cell_rejoins_through_the_fallback(rt)
+        print(f"{backend}: trained_by_cell {step['trained_by_cell']}, replay gap {gap:.2e}")
+        JOBS[backend] = {"final": final, "tokens": _tokens(batches), "start": start}
+    finally:
+        rt.shutdown()
+    first = next(iter(JOBS.values()))
+    for other, job in JOBS.items():
+        assert all(torch.equal(job["start"][k], first["start"][k]) for k in first["start"])
+        assert job["tokens"] == first["tokens"], f"{backend} and {other} trained different micro-batches"
+        num = sum(float(((job["final"][k] - first["final"][k]) ** 2).sum()) for k in first["final"])
+        den = sum(float(((first["final"][k] - first["start"][k]) ** 2).sum()) for k in first["final"])
+        assert den > 0 and (num / den) ** 0.5 <= 1e-6, f"{backend} vs {other}: {(num / den) ** 0.5:.2e}"
+
+
+def check_restarted_cell_rejoins_through_the_fallback(rt: Runtime) -> None:
+    """cell-1 dies between steps; the next run's recovery restarts it (a new process, which missed v1's
+    broadcast): it rejoins through the object store, and v2's group asks it again."""
+    from test_transfer import _kill_and_wait
+
+    _kill_and_wait(ray.get_actor("cell-1", namespace=rt.namespace))
+    result = ray.get(rt.scheduler.run.remote(1, scheduler={"policy": "elastic", "staleness": 0}, tag="b"),
+                     timeout=600)  # fmt: skip
+    assert [f["cell"] for f in result["faults"]] == ["cell-1"] and result["faults"][0]["restarted"]
+    assert result["steps"][0]["version"] == 2
+    cell, core = _status(rt, "cell-1"), _status(rt, "cell-0")["collective"]
+    assert cell["engine"]["version"] == 2 and not cell["draining"]
+    assert cell["collective"]["fallback"] >= 1  # its rejoin: v1 was broadcast before it existed
+    assert "not received by broadcast" in str(cell["collective"]["last_fallback"])
+    assert core["last_push"]["version"] == 2 and "cell-1" in {
+        *core["last_push"]["received"],
+        *core["last_push"]["missed"],
+    }
