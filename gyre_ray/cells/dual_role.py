@@ -37,7 +37,7 @@ from typing import Any
 from gyre_ray.cells.cell import EngineFactory, RolloutCell
 from gyre_ray.trainers.base import Trainer
 from gyre_ray.trainers.batch import MicroBatch
-from gyre_ray.transfer import Ticket, Transport, make_transport
+from gyre_ray.transfer import Ticket, TransferError, Transport, make_transport
 from gyre_ray.transfer.collective import CollectiveHost, CollectiveTransport
 from gyre_ray.transfer.config import TransferSection
 from gyre_ray.transfer.weights import WeightPublisher
@@ -106,12 +106,16 @@ class DualRoleCell(RolloutCell, CollectiveHost):
         self._role = ROLLOUT
         self._lock = asyncio.Lock()
         self._trained = 0  # micro-batches trained here since the last export (or optimizer step)
-        section = trainer_factory.transfer_section()
-        self._weights_tx: Transport = make_transport(section.weights, section, owner=cell_id)
+        self._peers, self._namespace = peers or [], namespace
+        self._set_transports(trainer_factory.transfer_section())
+
+    def _set_transports(self, section: TransferSection) -> None:
+        """This cell's weights and gradients transports (one object when both use one backend)."""
+        self._weights_tx: Transport = make_transport(section.weights, section, owner=self.cell_id)
         self._grads_tx: Transport = (
             self._weights_tx
             if section.gradients == section.weights
-            else make_transport(section.gradients, section, owner=cell_id)
+            else make_transport(section.gradients, section, owner=self.cell_id)
         )
         self._publisher = WeightPublisher(self._weights_tx)
         self._transports.update({section.weights: self._weights_tx, section.gradients: self._grads_tx})
@@ -120,7 +124,19 @@ class DualRoleCell(RolloutCell, CollectiveHost):
             import ray
 
             if ray.is_initialized() and ray.get_runtime_context().get_actor_name():
-                collective.connect(ray.get_runtime_context().get_actor_name(), namespace, peers or [])
+                collective.connect(ray.get_runtime_context().get_actor_name(), self._namespace, self._peers)
+
+    async def use_transfer(self, transfer: dict[str, Any]) -> dict[str, str]:
+        """Between runs: move weights and gradients through the backends of `transfer` (a `transfer`
+        section, dumped) from now on; the old transports are closed, so earlier tickets are void."""
+        section = TransferSection.model_validate(transfer)
+        async with self._lock:
+            for old in {id(t): t for t in (self._weights_tx, self._grads_tx)}.values():
+                if self._transports.get(old.name) is old:
+                    del self._transports[old.name]
+                old.close()
+            self._set_transports(section)
+        return {"weights": section.weights, "gradients": section.gradients}
 
     async def setup(self) -> dict[str, Any]:
         """Build the engine and the trainer replica (heavy: both load the model); returns `status()`."""
@@ -365,6 +381,11 @@ class DualRoleCell(RolloutCell, CollectiveHost):
     async def _fetch(self, weights: Ticket | dict[str, Any] | None) -> dict[str, Any] | None:
         """A weight ticket's state dict, fetched through this cell's transport (a dict or None as given)."""
         if isinstance(weights, Ticket):
+            if weights.backend != self._weights_tx.name:
+                raise TransferError(
+                    f"{self.cell_id}: {weights.describe()} came by another backend than this cell's "
+                    f"transfer.weights={self._weights_tx.name}"
+                )
             return await asyncio.to_thread(self._weights_tx.fetch, weights)
         return weights
 
