@@ -11,7 +11,7 @@ Median of `--rounds` interleaved rounds.
 Then a session's KV on drain: a 20-turn agent session on one tiny-model cell (in this process),
 the cell drained, the session's next call on another cell with its staged prefix (fetched through
 the KV transport, `transfer.kv`) and without it: bytes moved, seconds to fetch and import, and
-prompt tokens the next call prefilled. The machine's load (`uptime`) is recorded before and after.
+prompt tokens the next call prefilled (and their share of its prompt). The machine's load (`uptime`) is recorded before and after.
 
 Usage: python benchmarks/bench_transfer.py [--rounds 3] [--mib 200] [--out benchmarks/results]
 Saves transfer_cpu<cores>.json under the output folder.
@@ -81,6 +81,25 @@ class _End:
         state = self.transport.fetch(ticket)
         elapsed = time.perf_counter() - start
         return elapsed, tensor_checksums(list(state.values()))
+
+    def object_store_split(self, ticket: Any) -> dict[str, float]:
+        """Where an object-store fetch spends its time: `ray.get` (plasma maps the bytes), then the copy
+        out of plasma into fresh memory (what `fetch` does: every page faults once) or into memory
+        touched before (as a pooled receive buffer would be)."""
+        import numpy as np
+
+        (ref,) = ticket.address["ref"]
+        start = time.perf_counter()
+        array = ray.get(ref)
+        get_s = time.perf_counter() - start
+        start = time.perf_counter()
+        fresh = np.array(array, copy=True)
+        fresh_s = time.perf_counter() - start
+        touched = np.ones_like(fresh)
+        start = time.perf_counter()
+        np.copyto(touched, array)
+        touched_s = time.perf_counter() - start
+        return {"get_s": get_s, "copy_fresh_s": fresh_s, "copy_touched_s": touched_s}
 
     def checksums(self, name: str) -> tuple[int, ...]:
         return tensor_checksums(list(self.payloads[name].values()))
@@ -152,6 +171,8 @@ async def _session_kv(turns: int = 20, new_tokens: int = 24, reply: int = 16) ->
     for cell in (a, b, c):
         cell.close()
     same = results["migrated"].pop("output") == results["re-prefill"].pop("output")
+    for row in results.values():  # the share of the next call's prompt its engine computed again
+        row["recomputed_share"] = row["prefill_tokens"] / len(nxt)
     return {
         "turns": turns,
         "prompt_tokens": len(nxt),
@@ -205,6 +226,9 @@ def main() -> None:
                 row["stage_s"].append(stage_s)
                 row["fetch_s"].append(fetch_s)
                 row["memcpy_s"].append(memcpy_s)
+                if backend == "object_store":
+                    for k, v in ray.get(receiver.object_store_split.remote(ticket)).items():
+                        row.setdefault(k, []).append(v)
     results = []
     print(
         f"{'payload':<11} {'backend':<13} {'MiB':>7} {'stage s':>8} {'fetch s':>8} {'GiB/s':>7} {'memcpy GiB/s':>13} {'vs memcpy':>9}"
@@ -230,12 +254,20 @@ def main() -> None:
             f"{name:<11} {backend:<13} {nbytes / 2**20:>7.1f} {med['stage_s']:>8.3f} {med['fetch_s']:>8.3f} "
             f"{gibs:>7.2f} {mem_gibs:>13.2f} {gibs / mem_gibs:>9.2f}"
         )
+        if "copy_fresh_s" in med:
+            print(
+                f"{'':<11} {'  its split':<13} ray.get {med['get_s']:.3f} s, copy out of plasma into fresh "
+                f"memory {nbytes / med['copy_fresh_s'] / 2**30:.2f} GiB/s, into touched memory "
+                f"{nbytes / med['copy_touched_s'] / 2**30:.2f} GiB/s"
+            )
     session = asyncio.run(_session_kv())
     print(
         f"session KV on drain ({session['turns']} turns, next prompt {session['prompt_tokens']} tokens): "
         f"{session['kv_bytes'] / 2**20:.2f} MiB via {session['kv_backend']}, staged in {session['drain_stage_s']:.3f} s; "
-        f"next call prefilled {session['migrated_prefill_tokens']} tokens ({session['migrated_call_s']:.3f} s) "
-        f"against {session['re-prefill_prefill_tokens']} ({session['re-prefill_call_s']:.3f} s) without; "
+        f"next call prefilled {session['migrated_prefill_tokens']} tokens "
+        f"({session['migrated_recomputed_share']:.1%} of its prompt, {session['migrated_call_s']:.3f} s) "
+        f"against {session['re-prefill_prefill_tokens']} ({session['re-prefill_recomputed_share']:.1%}, "
+        f"{session['re-prefill_call_s']:.3f} s) without; "
         f"same greedy output: {session['greedy_output_same']}"
     )
     ray.shutdown()
