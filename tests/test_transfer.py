@@ -258,10 +258,10 @@ def test_mooncake_refuses_a_ticket_whose_buffer_was_reused() -> None:
         ray.get(cell.fetch.remote(tickets[0]))  # two staging buffers: the third stage reused the first's
 
 
-@needs_mooncake
-def test_mooncake_reuses_a_receive_buffer_only_once_nothing_views_it() -> None:
-    core = _peers("mooncake")[0]
-    cell = Peer.options(num_cpus=0).remote("mooncake", "cell-6")  # its receive pool is empty
+@pytest.mark.parametrize("backend", ["object_store", pytest.param("mooncake", marks=needs_mooncake)])
+def test_a_receive_buffer_is_reused_only_once_nothing_views_it(backend: str) -> None:
+    core = _peers(backend)[0]
+    cell = Peer.options(num_cpus=0).remote(backend, "cell-6")  # its receive pool is empty
     first, second = (
         ray.get(core.stage.remote({"x": torch.full((1000,), float(i))}, "weights", i)) for i in (1, 2)
     )

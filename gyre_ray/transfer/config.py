@@ -77,6 +77,12 @@ class TransferSection(Section):
         False, description="CRC-32 every tensor on both ends and fail a transfer whose bytes differ."
     )
     timeout_s: float = Field(120.0, gt=0, description="Longest a single transfer may take before it fails.")
+    receive_buffers: int = Field(
+        2,
+        ge=0,
+        description="Object store: pooled, pre-touched buffers a receiver copies fetched bytes into, each "
+        "reused once nothing returned from its last fetch is alive; 0: fresh memory per fetch.",
+    )
     mooncake: MooncakeOptions = Field(default_factory=MooncakeOptions, description="Mooncake options.")
     collective: CollectiveOptions = Field(
         default_factory=CollectiveOptions, description="Collective options."
