@@ -3,14 +3,15 @@
 For each payload (the tiny model's state dict; a synthetic ~200 MB state of 4 MiB float32 tensors)
 and each backend (Ray object store, Mooncake TCP on loopback, ray.util.collective gloo broadcast):
 stage seconds on the sender, fetch seconds on the receiver (the transfer itself plus rebuilding the
-tensors), GiB/s of the fetch, and its ratio to a local memcpy of the same bytes measured in the
+tensors; for collectives, the broadcast on the sender, group set-up and tear-down included, plus the
+receiver's rebuild), GiB/s of the fetch, and its ratio to a local memcpy of the same bytes measured in the
 receiver's process in the same run. Every delivery is checked bit for bit (CRC-32 per tensor).
 Median of `--rounds` interleaved rounds.
 
 Then a session's KV on drain: a 20-turn agent session on one tiny-model cell (in this process),
 the cell drained, the session's next call on another cell with its staged prefix (fetched through
 the KV transport, `transfer.kv`) and without it: bytes moved, seconds to fetch and import, and
-prompt tokens the next call prefilled. The machine's load (`uptime`) is recorded before and after.
+prompt tokens the next call prefilled (and their share of its prompt). The machine's load (`uptime`) is recorded before and after.
 
 Usage: python benchmarks/bench_transfer.py [--rounds 3] [--mib 200] [--out benchmarks/results]
 Saves transfer_cpu<cores>.json under the output folder.
@@ -36,19 +37,19 @@ import torch  # noqa: E402
 from gyre_ray.model.arch import ModelArgs  # noqa: E402
 from gyre_ray.model.config import ModelSection  # noqa: E402
 from gyre_ray.transfer import make_transport  # noqa: E402
+from gyre_ray.transfer.collective import CollectiveHost  # noqa: E402
 from gyre_ray.transfer.config import TransferSection  # noqa: E402
 from gyre_ray.transfer.layout import tensor_checksums  # noqa: E402
 from gyre_ray.transfer.mooncake import mooncake_available  # noqa: E402
 
 
-@ray.remote(num_cpus=0)
-class End:
+class _End:
     def __init__(self, backend: str, owner: str) -> None:
         self.transport = make_transport(backend, TransferSection(verify_checksums=False), owner=owner)
         self.payloads: dict[str, Any] = {}
 
-    def join(self, world: int, rank: int) -> None:
-        self.transport.join(world, rank)
+    def connect(self, peers: list[str]) -> None:
+        self.transport.connect(self.transport.owner, None, peers)
 
     def make(self, name: str, mib: int) -> int:
         if name == "tiny-model":
@@ -66,8 +67,13 @@ class End:
         ticket = self.transport.stage(self.payloads[name], kind="weights", version=version)
         return ticket, time.perf_counter() - start
 
-    def push(self, ticket: Any) -> None:
+    def push(self, ticket: Any) -> float:
+        """Collectives: the broadcast (a group formed for it, the bytes sent, the group torn down)."""
+        start = time.perf_counter()
         self.transport.push(ticket)
+        return time.perf_counter() - start
+
+    def release(self, ticket: Any) -> None:
         self.transport.release(ticket)
 
     def fetch(self, ticket: Any) -> tuple[float, tuple[int, ...]]:
@@ -75,6 +81,25 @@ class End:
         state = self.transport.fetch(ticket)
         elapsed = time.perf_counter() - start
         return elapsed, tensor_checksums(list(state.values()))
+
+    def object_store_split(self, ticket: Any) -> dict[str, float]:
+        """Where an object-store fetch spends its time: `ray.get` (plasma maps the bytes), then the copy
+        out of plasma into fresh memory (what `fetch` does: every page faults once) or into memory
+        touched before (as a pooled receive buffer would be)."""
+        import numpy as np
+
+        (ref,) = ticket.address["ref"]
+        start = time.perf_counter()
+        array = ray.get(ref)
+        get_s = time.perf_counter() - start
+        start = time.perf_counter()
+        fresh = np.array(array, copy=True)
+        fresh_s = time.perf_counter() - start
+        touched = np.ones_like(fresh)
+        start = time.perf_counter()
+        np.copyto(touched, array)
+        touched_s = time.perf_counter() - start
+        return {"get_s": get_s, "copy_fresh_s": fresh_s, "copy_touched_s": touched_s}
 
     def checksums(self, name: str) -> tuple[int, ...]:
         return tensor_checksums(list(self.payloads[name].values()))
@@ -86,6 +111,15 @@ class End:
         start = time.perf_counter()
         dst.copy_(src)
         return time.perf_counter() - start
+
+
+End = ray.remote(num_cpus=0)(_End)
+
+
+@ray.remote(num_cpus=0)
+class CollectiveEnd(_End, CollectiveHost):
+    def _collective(self) -> Any:
+        return self.transport
 
 
 def _load() -> str:
@@ -137,6 +171,8 @@ async def _session_kv(turns: int = 20, new_tokens: int = 24, reply: int = 16) ->
     for cell in (a, b, c):
         cell.close()
     same = results["migrated"].pop("output") == results["re-prefill"].pop("output")
+    for row in results.values():  # the share of the next call's prompt its engine computed again
+        row["recomputed_share"] = row["prefill_tokens"] / len(nxt)
     return {
         "turns": turns,
         "prompt_tokens": len(nxt),
@@ -164,9 +200,12 @@ def main() -> None:
         print(f"mooncake skipped: {why}")
     ends = {}
     for backend in backends:
-        ends[backend] = [End.remote(backend, f"cell-{i}") for i in range(2)]
         if backend == "collective":
-            ray.get([e.join.remote(2, i) for i, e in enumerate(ends[backend])])
+            names = ["cell-0", "cell-1"]
+            ends[backend] = [CollectiveEnd.options(name=n).remote(backend, n) for n in names]
+            ray.get([e.connect.remote(names) for e in ends[backend]])
+        else:
+            ends[backend] = [End.remote(backend, f"cell-{i}") for i in range(2)]
     payloads = {}
     for name in ("tiny-model", "synthetic"):
         sizes = {ray.get(s.make.remote(name, a.mib)) for s, _ in ends.values()}
@@ -176,7 +215,10 @@ def main() -> None:
         for name, nbytes in payloads.items():
             for backend, (sender, receiver) in ends.items():
                 ticket, stage_s = ray.get(sender.stage.remote(name, r + 1))
-                (fetch_s, sums), _ = ray.get([receiver.fetch.remote(ticket), sender.push.remote(ticket)])
+                push_s = ray.get(sender.push.remote(ticket))  # collectives: the broadcast; else a no-op
+                fetch_s, sums = ray.get(receiver.fetch.remote(ticket))
+                fetch_s += push_s if backend == "collective" else 0.0
+                ray.get(sender.release.remote(ticket))
                 if sums != ray.get(sender.checksums.remote(name)):
                     raise SystemExit(f"{backend}: {name} arrived with different bytes")
                 memcpy_s = ray.get(receiver.memcpy_s.remote(nbytes))
@@ -184,6 +226,9 @@ def main() -> None:
                 row["stage_s"].append(stage_s)
                 row["fetch_s"].append(fetch_s)
                 row["memcpy_s"].append(memcpy_s)
+                if backend == "object_store":
+                    for k, v in ray.get(receiver.object_store_split.remote(ticket)).items():
+                        row.setdefault(k, []).append(v)
     results = []
     print(
         f"{'payload':<11} {'backend':<13} {'MiB':>7} {'stage s':>8} {'fetch s':>8} {'GiB/s':>7} {'memcpy GiB/s':>13} {'vs memcpy':>9}"
@@ -209,12 +254,20 @@ def main() -> None:
             f"{name:<11} {backend:<13} {nbytes / 2**20:>7.1f} {med['stage_s']:>8.3f} {med['fetch_s']:>8.3f} "
             f"{gibs:>7.2f} {mem_gibs:>13.2f} {gibs / mem_gibs:>9.2f}"
         )
+        if "copy_fresh_s" in med:
+            print(
+                f"{'':<11} {'  its split':<13} ray.get {med['get_s']:.3f} s, copy out of plasma into fresh "
+                f"memory {nbytes / med['copy_fresh_s'] / 2**30:.2f} GiB/s, into touched memory "
+                f"{nbytes / med['copy_touched_s'] / 2**30:.2f} GiB/s"
+            )
     session = asyncio.run(_session_kv())
     print(
         f"session KV on drain ({session['turns']} turns, next prompt {session['prompt_tokens']} tokens): "
         f"{session['kv_bytes'] / 2**20:.2f} MiB via {session['kv_backend']}, staged in {session['drain_stage_s']:.3f} s; "
-        f"next call prefilled {session['migrated_prefill_tokens']} tokens ({session['migrated_call_s']:.3f} s) "
-        f"against {session['re-prefill_prefill_tokens']} ({session['re-prefill_call_s']:.3f} s) without; "
+        f"next call prefilled {session['migrated_prefill_tokens']} tokens "
+        f"({session['migrated_recomputed_share']:.1%} of its prompt, {session['migrated_call_s']:.3f} s) "
+        f"against {session['re-prefill_prefill_tokens']} ({session['re-prefill_recomputed_share']:.1%}, "
+        f"{session['re-prefill_call_s']:.3f} s) without; "
         f"same greedy output: {session['greedy_output_same']}"
     )
     ray.shutdown()

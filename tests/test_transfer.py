@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import ray
 import torch
+from longtail_workload import register_by_value
 
 from gyre_ray.engines.base import KVState, SamplingParams
 from gyre_ray.engines.testing import small_model
 from gyre_ray.runtime.cluster import start_local_ray
 from gyre_ray.transfer import TransferError, make_transport
+from gyre_ray.transfer.collective import CollectiveHost
 from gyre_ray.transfer.config import TransferSection
 from gyre_ray.transfer.layout import checksums, plan, read_from, tensor_checksums, write_into
 from gyre_ray.transfer.mooncake import mooncake_available
@@ -72,8 +74,7 @@ def test_layout_round_trip_is_bit_exact() -> None:
     assert _same(read_from(buffer, layout), payload)
 
 
-@ray.remote
-class Peer:
+class _Peer:
     """One process' end of a transport, as a cell actor would hold it."""
 
     def __init__(self, backend: str, owner: str, timeout_s: float = 120.0) -> None:
@@ -83,8 +84,11 @@ class Peer:
         self.got: dict[str, Any] = {}
         self.publisher = WeightPublisher(self.transport)
 
-    def join(self, world: int, rank: int) -> None:
-        self.transport.join(world, rank)
+    def connect(self, name: str, peers: list[str]) -> None:
+        self.transport.connect(name, None, peers)
+
+    def stats(self) -> dict[str, Any]:
+        return self.transport.stats
 
     def stage(self, payload: Any, kind: str, version: int | None = None, **options: Any) -> Any:
         return self.transport.stage(payload, kind=kind, version=version, **options)
@@ -92,8 +96,8 @@ class Peer:
     def publish(self, state: dict, version: int) -> Any:
         return self.publisher.publish(state, version)
 
-    def push(self, ticket: Any) -> None:
-        self.transport.push(ticket)
+    def push(self, ticket: Any) -> Any:
+        return self.transport.push(ticket)
 
     def fetch(self, ticket: Any) -> Any:
         return self.transport.fetch(ticket)
@@ -120,9 +124,28 @@ class Peer:
         return (receiver.version if receiver else None), self.got.get(engine)
 
 
+Peer = ray.remote(_Peer)
+
+
+@ray.remote
+class CollectivePeer(_Peer, CollectiveHost):
+    """A peer whose transport is the collectives backend: it also answers its peers' calls."""
+
+    def _collective(self) -> Any:
+        return self.transport
+
+
+def _collective_peers(names: list[str], **options: Any) -> list[Any]:
+    """Named collective peers that know each other (the first one is the core)."""
+    peers = [CollectivePeer.options(name=n, num_cpus=0).remote("collective", n, **options) for n in names]
+    ray.get([p.connect.remote(n, names) for p, n in zip(peers, names, strict=True)])
+    return peers
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_local():
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO lines
+    register_by_value(__name__)  # the peers' classes (tests/ is not importable in Ray workers)
     start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
@@ -134,9 +157,10 @@ _PEERS: dict[str, list[Any]] = {}
 def _peers(backend: str) -> list[Any]:
     """Three peers per backend (cell-0 the core), started once for the module (actors start slowly)."""
     if backend not in _PEERS:
-        peers = [Peer.options(num_cpus=0).remote(backend, f"cell-{i}") for i in range(3)]
         if backend == "collective":
-            ray.get([p.join.remote(3, i) for i, p in enumerate(peers)])
+            peers = _collective_peers([f"cell-{i}" for i in range(3)])
+        else:
+            peers = [Peer.options(num_cpus=0).remote(backend, f"cell-{i}") for i in range(3)]
         _PEERS[backend] = peers
     return _PEERS[backend]
 
@@ -149,11 +173,15 @@ def test_weights_arrive_bit_for_bit_on_every_cell(backend: str) -> None:
         state = {k: v + version for k, v in state.items()}
         ticket = ray.get(core.publish.remote(state, version))
         assert ticket.checksums == tensor_checksums(list(state.values()))
-        pending = [c.receive_weights.remote(ticket) for c in cells] + [core.push.remote(ticket)]
-        assert ray.get(pending)[:-1] == [version] * len(cells)
+        pushed = ray.get(core.push.remote(ticket))  # collectives: the broadcast; a no-op for the others
+        if backend == "collective":
+            assert sorted(pushed["received"]) == ["cell-1", "cell-2"] and not pushed["missed"]
+        assert ray.get([c.receive_weights.remote(ticket) for c in cells]) == [version] * len(cells)
         for cell in cells:
             held_version, got = ray.get(cell.held.remote())
             assert held_version == version and _same(got, state)
+    if backend == "collective":  # every fetch was the broadcast's bytes, none went the fallback way
+        assert [ray.get(c.stats.remote())["fallback"] for c in cells] == [0, 0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -170,6 +198,48 @@ def test_gradients_from_satellites_sum_on_the_core(backend: str) -> None:
             total[k] += fetched[k]
     for k in total:
         assert torch.equal(total[k], grads[0][k] + grads[1][k])
+    if backend == "collective":  # both pulled point to point, no fallback
+        stats = ray.get(core.stats.remote())
+        assert stats["collective"] >= 2 and stats["fallback"] == 0
+
+
+def _own_dist_group(self: Any) -> bool:
+    """Run inside an actor: give its process a torch.distributed group of its own (as Megatron would)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, world_size=1, rank=0)
+    return dist.is_initialized()
+
+
+def test_collective_groups_follow_membership_and_a_missed_broadcast_falls_back_to_the_object_store() -> None:
+    names = ["m-0", "m-1", "m-2", "m-3"]
+    core, cell, gone, busy = _collective_peers(names)
+    assert ray.get(busy.__ray_call__.remote(_own_dist_group))  # cannot join: its process has a group
+    _kill_and_wait(gone)  # dead before version 1 is published
+    state = {"w": torch.randn(64, 64), "step": torch.tensor(1)}
+    ticket = ray.get(core.publish.remote(state, 1))
+    pushed = ray.get(core.push.remote(ticket))
+    assert pushed["received"] == ["m-1"] and set(pushed["missed"]) == {"m-2", "m-3"}
+    assert "no such actor" in pushed["missed"]["m-2"] and "cannot join" in pushed["missed"]["m-3"]
+    assert ray.get(cell.receive_weights.remote(ticket)) == 1
+    assert ray.get(cell.stats.remote())["fallback"] == 0
+    # m-2 restarted (a new process under the same name): it missed the broadcast, so it fetches v1
+    # through the object store, bit for bit; so does the cell that could not join
+    (restarted,) = (CollectivePeer.options(name="m-2", num_cpus=0).remote("collective", "m-2"),)
+    ray.get(restarted.connect.remote("m-2", names))
+    for late in (restarted, busy):
+        assert ray.get(late.receive_weights.remote(ticket)) == 1
+        assert _same(ray.get(late.held.remote())[1], state)
+        stats = ray.get(late.stats.remote())
+        assert stats["fallback"] == 1 and stats["last_fallback"]["reason"] == "not received by broadcast"
+    # the next version's group has the restarted cell in it again
+    ticket = ray.get(core.publish.remote({k: v * 2 for k, v in state.items()}, 2))
+    assert sorted(ray.get(core.push.remote(ticket))["received"]) == ["m-1", "m-2"]
+    assert ray.get(restarted.receive_weights.remote(ticket)) == 2
+    assert ray.get(restarted.stats.remote())["fallback"] == 1
+    for actor in (core, cell, restarted, busy):
+        ray.kill(actor)
 
 
 @pytest.mark.parametrize("backend", ["object_store", pytest.param("mooncake", marks=needs_mooncake)])
@@ -189,10 +259,10 @@ def test_mooncake_refuses_a_ticket_whose_buffer_was_reused() -> None:
         ray.get(cell.fetch.remote(tickets[0]))  # two staging buffers: the third stage reused the first's
 
 
-@needs_mooncake
-def test_mooncake_reuses_a_receive_buffer_only_once_nothing_views_it() -> None:
-    core = _peers("mooncake")[0]
-    cell = Peer.options(num_cpus=0).remote("mooncake", "cell-6")  # its receive pool is empty
+@pytest.mark.parametrize("backend", ["object_store", pytest.param("mooncake", marks=needs_mooncake)])
+def test_a_receive_buffer_is_reused_only_once_nothing_views_it(backend: str) -> None:
+    core = _peers(backend)[0]
+    cell = Peer.options(num_cpus=0).remote(backend, "cell-6")  # its receive pool is empty
     first, second = (
         ray.get(core.stage.remote({"x": torch.full((1000,), float(i))}, "weights", i)) for i in (1, 2)
     )

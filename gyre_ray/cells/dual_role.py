@@ -12,8 +12,10 @@ One role is active at a time. The switch protocol (the scheduler, `gyre_ray.runt
 Weights and gradients go through the transfer seam (`gyre_ray.transfer`, backends from the `transfer`
 config section): the core's `publish_weights()` returns a `Ticket` that any cell method taking
 `weights` accepts (a plain state dict still works), `export_grads()` returns a gradient ticket that
-the core's `import_grads` fetches. Pull backends only here (object store, Mooncake): collectives
-need the sender and receivers to meet, which the runtime's calls do not arrange yet.
+the core's `import_grads` fetches. With the collectives backend the cell is also a `CollectiveHost`:
+`publish_weights()` broadcasts the new version to every cell that is there (a group formed for that
+version), `import_grads` pulls a satellite's sum point to point, and a cell that missed a broadcast
+(restarted since, say) fetches that version through the object store (`gyre_ray.transfer.collective`).
 
 The **core** (the cell the runtime names, `is_core=True`) owns the authoritative weights and the
 optimizer state. It imports the satellites' gradients (`import_grads`), steps once (`optimizer_step(scale)`, scale = 1 / executions)
@@ -35,11 +37,10 @@ from typing import Any
 from gyre_ray.cells.cell import EngineFactory, RolloutCell
 from gyre_ray.trainers.base import Trainer
 from gyre_ray.trainers.batch import MicroBatch
-from gyre_ray.transfer import Ticket, Transport, make_transport
+from gyre_ray.transfer import Ticket, TransferError, Transport, make_transport
+from gyre_ray.transfer.collective import CollectiveHost, CollectiveTransport
 from gyre_ray.transfer.config import TransferSection
 from gyre_ray.transfer.weights import WeightPublisher
-
-PULL_BACKENDS = ("object_store", "mooncake")
 
 ROLLOUT, TRAIN = "rollout", "train"
 
@@ -55,15 +56,8 @@ class TrainerFactory:
     transfer: dict[str, Any] = field(default_factory=dict)
 
     def transfer_section(self) -> TransferSection:
-        """The validated `transfer` section; collectives are refused (see the module docstring)."""
-        section = TransferSection.model_validate(self.transfer)
-        for what in ("weights", "gradients"):
-            if getattr(section, what) not in PULL_BACKENDS:
-                raise ValueError(
-                    f"transfer.{what}={getattr(section, what)!r} is not wired into the cells yet; "
-                    f"use one of {', '.join(PULL_BACKENDS)}"
-                )
-        return section
+        """The validated `transfer` section."""
+        return TransferSection.model_validate(self.transfer)
 
     def __call__(self) -> Trainer:
         from gyre_ray.algo import get_loss
@@ -80,8 +74,11 @@ class TrainerFactory:
         )
 
 
-class DualRoleCell(RolloutCell):
-    """A rollout cell that can become a trainer replica (and back) while the proxy keeps agents running."""
+class DualRoleCell(RolloutCell, CollectiveHost):
+    """A rollout cell that can become a trainer replica (and back) while the proxy keeps agents running.
+
+    `peers`: the actor names of the run's cells (a collective broadcast goes to those that are there),
+    `namespace`: theirs; both only matter with the collectives backend."""
 
     def __init__(
         self,
@@ -92,6 +89,8 @@ class DualRoleCell(RolloutCell):
         is_core: bool = False,
         stream_interval_s: float = 0.0,
         draining: bool = False,
+        peers: list[str] | None = None,
+        namespace: str | None = None,
     ) -> None:
         super().__init__(
             cell_id,
@@ -107,15 +106,37 @@ class DualRoleCell(RolloutCell):
         self._role = ROLLOUT
         self._lock = asyncio.Lock()
         self._trained = 0  # micro-batches trained here since the last export (or optimizer step)
-        section = trainer_factory.transfer_section()
-        self._weights_tx: Transport = make_transport(section.weights, section, owner=cell_id)
+        self._peers, self._namespace = peers or [], namespace
+        self._set_transports(trainer_factory.transfer_section())
+
+    def _set_transports(self, section: TransferSection) -> None:
+        """This cell's weights and gradients transports (one object when both use one backend)."""
+        self._weights_tx: Transport = make_transport(section.weights, section, owner=self.cell_id)
         self._grads_tx: Transport = (
             self._weights_tx
             if section.gradients == section.weights
-            else make_transport(section.gradients, section, owner=cell_id)
+            else make_transport(section.gradients, section, owner=self.cell_id)
         )
         self._publisher = WeightPublisher(self._weights_tx)
         self._transports.update({section.weights: self._weights_tx, section.gradients: self._grads_tx})
+        collective = self._collective_or_none()
+        if collective is not None:
+            import ray
+
+            if ray.is_initialized() and ray.get_runtime_context().get_actor_name():
+                collective.connect(ray.get_runtime_context().get_actor_name(), self._namespace, self._peers)
+
+    async def use_transfer(self, transfer: dict[str, Any]) -> dict[str, str]:
+        """Between runs: move weights and gradients through the backends of `transfer` (a `transfer`
+        section, dumped) from now on; the old transports are closed, so earlier tickets are void."""
+        section = TransferSection.model_validate(transfer)
+        async with self._lock:
+            for old in {id(t): t for t in (self._weights_tx, self._grads_tx)}.values():
+                if self._transports.get(old.name) is old:
+                    del self._transports[old.name]
+                old.close()
+            self._set_transports(section)
+        return {"weights": section.weights, "gradients": section.gradients}
 
     async def setup(self) -> dict[str, Any]:
         """Build the engine and the trainer replica (heavy: both load the model); returns `status()`."""
@@ -136,6 +157,9 @@ class DualRoleCell(RolloutCell):
             trainer_version=None if trainer is None else trainer.version,
             unexported_micro_batches=self._trained,
         )
+        collective = self._collective_or_none()
+        if collective is not None:
+            status["collective"] = dict(collective.stats)
         return status
 
     # ---- role switches --------------------------------------------------------------------------
@@ -323,7 +347,9 @@ class DualRoleCell(RolloutCell):
                 return last
             state = await asyncio.to_thread(trainer.state_dict)
             version = trainer.version
-        return await asyncio.to_thread(self._publisher.publish, state, version)
+        ticket = await asyncio.to_thread(self._publisher.publish, state, version)
+        await asyncio.to_thread(self._weights_tx.push, ticket)  # collectives: the broadcast; else a no-op
+        return ticket
 
     async def discard_grads(self) -> int:
         """Drop the gradients this replica holds (a restarted scheduler trains its step again); returns
@@ -354,9 +380,26 @@ class DualRoleCell(RolloutCell):
             return trainer.version
 
     # ---- internals ------------------------------------------------------------------------------
+    def _collective_or_none(self) -> CollectiveTransport | None:
+        for transport in (self._weights_tx, self._grads_tx):
+            if isinstance(transport, CollectiveTransport):
+                return transport
+        return None
+
+    def _collective(self) -> CollectiveTransport:
+        collective = self._collective_or_none()
+        if collective is None:
+            raise RuntimeError(f"cell {self.cell_id}: no transfer backend is collective here")
+        return collective
+
     async def _fetch(self, weights: Ticket | dict[str, Any] | None) -> dict[str, Any] | None:
         """A weight ticket's state dict, fetched through this cell's transport (a dict or None as given)."""
         if isinstance(weights, Ticket):
+            if weights.backend != self._weights_tx.name:
+                raise TransferError(
+                    f"{self.cell_id}: {weights.describe()} came by another backend than this cell's "
+                    f"transfer.weights={self._weights_tx.name}"
+                )
             return await asyncio.to_thread(self._weights_tx.fetch, weights)
         return weights
 

@@ -135,9 +135,11 @@ class CellPool:
             interval,
             recipe["transfer"],
         )
+        extra: dict[str, Any] = {}
         if trainer_factory is not None:
             is_core = index == recipe["core_index"]
             args = (spec.cell_id, engine_factory, trainer_factory, spec.torch_threads, is_core, interval)
+            extra = {"peers": [s.actor_name for s in self.specs], "namespace": self.namespace}
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=self.groups[spec.cell_id], placement_group_bundle_index=index
         )
@@ -149,7 +151,7 @@ class CellPool:
             scheduling_strategy=strategy,
             max_concurrency=1000,
             lifetime="detached" if recipe["detached"] or detached else None,
-        ).remote(*args, draining=draining)
+        ).remote(*args, draining=draining, **extra)
 
     def restart(self, cell_id: str) -> Any:
         """A new actor for a cell whose actor died: same name, same bundle, started *drained*.

@@ -40,18 +40,29 @@ class MooncakeOptions(Section):
 
 
 class CollectiveOptions(Section):
-    """ray.util.collective: gloo on CPU, NCCL (cupy) on GPU (the same code)."""
+    """ray.util.collective: gloo on CPU, NCCL (cupy) on GPU (the same code); one group per transfer."""
 
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="Collective backend.")
-    group_name: str = Field("gyre-transfer", description="Name of the collective group of the cells.")
+    backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="Collective backend: gloo (CPU tensors) or nccl (GPU buffers, cupy's NCCL)."
+    )
+    group_name: str = Field(
+        "gyre-transfer",
+        description="Prefix of the names of the NCCL groups formed per transfer (a gloo group is the "
+        "process' default torch.distributed group for the time of one transfer).",
+    )
 
 
 class TransferSection(Section):
     """What moves between cells, and how."""
 
-    weights: Backend = Field("object_store", description="Backend publishing the core's weights to cells.")
+    weights: Backend = Field(
+        "object_store",
+        description="Backend publishing the core's weights to cells (collective: broadcast to the cells "
+        "there at publish time; a cell that missed it fetches through the object store).",
+    )
     gradients: Backend = Field(
-        "object_store", description="Backend carrying satellites' gradients to the core."
+        "object_store",
+        description="Backend carrying satellites' gradients to the core (collective: point to point).",
     )
     kv: Literal["object_store", "mooncake"] = Field(
         "object_store",
@@ -66,6 +77,12 @@ class TransferSection(Section):
         False, description="CRC-32 every tensor on both ends and fail a transfer whose bytes differ."
     )
     timeout_s: float = Field(120.0, gt=0, description="Longest a single transfer may take before it fails.")
+    receive_buffers: int = Field(
+        2,
+        ge=0,
+        description="Object store: pooled, pre-touched buffers a receiver copies fetched bytes into, each "
+        "reused once nothing returned from its last fetch is alive; 0: fresh memory per fetch.",
+    )
     mooncake: MooncakeOptions = Field(default_factory=MooncakeOptions, description="Mooncake options.")
     collective: CollectiveOptions = Field(
         default_factory=CollectiveOptions, description="Collective options."

@@ -120,3 +120,9 @@ def checksums(buffer: torch.Tensor, layout: Layout) -> tuple[int, ...]:
 def tensor_checksums(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     """CRC-32 of each tensor's bytes (the same figure `checksums` gives after a transfer)."""
     return tuple(zlib.crc32(_bytes_view(t).numpy()) for t in tensors)
+
+
+def use_count(buffer: torch.Tensor) -> int | None:
+    """How many tensors share `buffer`'s storage (None where this torch does not say)."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    return None if counter is None else int(counter(buffer.untyped_storage()._cdata))

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gyre_ray.transfer.base import Ticket, TransferError, Transport, register_transport
-from gyre_ray.transfer.layout import ALIGN, plan, read_from, write_into
+from gyre_ray.transfer.layout import ALIGN, plan, read_from, use_count, write_into
 
 HEADER = ALIGN  # bytes before the payload: int64 sequence number, then padding
 
@@ -45,12 +45,6 @@ def mooncake_available() -> tuple[bool, str]:
 
 class _StuckRead(TransferError):
     """A read that did not finish within `transfer.timeout_s` (its receive buffer is abandoned)."""
-
-
-def _use_count(buffer: torch.Tensor) -> int | None:
-    """How many tensors share `buffer`'s storage (None where this torch does not say)."""
-    counter = getattr(torch._C, "_storage_Use_Count", None)
-    return None if counter is None else int(counter(buffer.untyped_storage()._cdata))
 
 
 class _Registered:
@@ -71,7 +65,7 @@ class _Registered:
                 self.buffer.fill_(0)
             if self.engine.register_memory(self.buffer.data_ptr(), self.buffer.numel()) != 0:
                 raise TransferError(f"mooncake: registering a {nbytes}-byte buffer failed")
-            self._idle_count = _use_count(self.buffer)
+            self._idle_count = use_count(self.buffer)
         return self.buffer
 
     def in_use(self) -> bool:
@@ -80,7 +74,7 @@ class _Registered:
             return True
         if not self.buffer.numel():
             return False
-        count = _use_count(self.buffer)
+        count = use_count(self.buffer)
         return count is None or count != self._idle_count
 
     def free(self) -> None:

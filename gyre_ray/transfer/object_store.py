@@ -3,7 +3,10 @@
 Works wherever Ray runs (one node or many); the bytes go through plasma, so a receiver on the
 same node maps them without a network copy and copies them once into its own memory. The ticket
 holds the object's reference, so Ray keeps the bytes while any ticket (or a Ray object holding one)
-is alive, and frees them after: the sender keeps nothing. Without a Ray cluster in this process
+is alive, and frees them after: the sender keeps nothing. The receiver copies out of plasma into one
+of `transfer.receive_buffers` pooled buffers, touched once when made (copying into fresh memory
+costs a page fault per page, and a slow huge-page compaction on a fragmented machine), reused once
+no tensor of its last fetch is alive; when all are still viewed, a fetch copies into a fresh one. Without a Ray cluster in this process
 (a cell run in-process, as unit tests do) the bytes travel inside the ticket instead.
 """
 
@@ -11,12 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
 from gyre_ray.transfer.base import Ticket, Transport, register_transport
-from gyre_ray.transfer.layout import plan, read_from, write_into
+from gyre_ray.transfer.layout import plan, read_from, use_count, write_into
 
 
 @register_transport
@@ -24,6 +26,25 @@ class ObjectStoreTransport(Transport):
     """`stage` = `ray.put` of the flat bytes; `fetch` = `ray.get` (bounded by `transfer.timeout_s`)."""
 
     name = "object_store"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._pool: list[tuple[torch.Tensor, int | None]] = []  # (buffer, its use count when idle)
+
+    def _receive_buffer(self, nbytes: int) -> torch.Tensor:
+        """A pooled, touched buffer of at least `nbytes` that nothing views any more, else a fresh one."""
+        for i, (buffer, idle) in enumerate(self._pool):
+            if idle is None or use_count(buffer) != idle:
+                continue  # tensors of its last fetch are alive (or this torch cannot say)
+            if buffer.numel() < nbytes:
+                buffer = torch.zeros(nbytes, dtype=torch.uint8)  # grows: touched once, here
+                self._pool[i] = (buffer, use_count(buffer))
+            return buffer[:nbytes]
+        if len(self._pool) < self.section.receive_buffers:
+            buffer = torch.zeros(nbytes, dtype=torch.uint8)  # touched once, here
+            self._pool.append((buffer, use_count(buffer)))
+            return buffer[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8)  # every pooled buffer is still viewed
 
     def stage(self, payload: Any, *, kind: str, version: int | None = None, **_: Any) -> Ticket:
         layout, tensors = plan(payload)
@@ -44,6 +65,7 @@ class ObjectStoreTransport(Transport):
             raise self.error(ticket, f"no data within {self.section.timeout_s:g} s") from None
         except ray.exceptions.RayError as exc:
             raise self.error(ticket, f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
-        buffer = torch.from_numpy(np.array(array, copy=True))
+        buffer = self._receive_buffer(ticket.nbytes)
+        buffer.numpy()[:] = array
         self._verify(ticket, buffer)
         return read_from(buffer, ticket.layout, copy=False)
