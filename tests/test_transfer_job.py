@@ -30,10 +30,7 @@ from test_faults_cells import reference_weights, relative_update_gap  # noqa: E4
 from test_transfer import _kill_and_wait  # noqa: E402
 
 from gyre_ray.config import load_config  # noqa: E402
-from gyre_ray.runtime.cluster import (
-    Runtime,  # noqa: E402
-    start_local_ray,
-)
+from gyre_ray.runtime.cluster import Runtime, start_local_ray  # noqa: E402
 from gyre_ray.transfer.mooncake import mooncake_available  # noqa: E402
 
 pytestmark = pytest.mark.slow
