@@ -21,9 +21,12 @@ time is the steadier one, so throughput ratios, the trainer and the roofline fra
 - roofline: a measured float32 matmul rate (GFLOP/s) and read bandwidth (GB/s); each figure's
   model FLOPs / s as a fraction of the former and, for decode, its bytes read / s (weights once
   per step + the KV cache) as a fraction of the latter.
+- profile (`--parts ...,profile`): CPU ms of one batch-16 decode step and of its weight GEMMs run
+  alone (the engine's packed fused copies, and transformers' unfused `F.linear` on the same weights).
 
-Usage: python benchmarks/bench_vs_hf.py [--configs tiny,m61] [--repeats 3] [--out benchmarks/results]
-Saves vs_hf_cpu<cores>.json.
+Usage: python benchmarks/bench_vs_hf.py [--configs tiny,m61] [--repeats 3] [--parts engine,trainer]
+[--out benchmarks/results]. Saves vs_hf_cpu<cores>.json (vs_hf_cpu<cores>_engine.json with
+`--parts engine`), with the load average at start and end.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from gyre_ray.engines.base import GenerateRequest, SamplingParams
 from gyre_ray.engines.torch_engine import TorchEngine
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import load_hf, save_hf
+from gyre_ray.model.kv_cache import KVCache
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 from gyre_ray.trainers.batch import MicroBatch, model_logprobs
 from gyre_ray.trajectory.batching import micro_batches
@@ -284,6 +288,53 @@ def trainer_figures(
     return out
 
 
+# ---------------------------------------------------------------------- decode-step profile
+@torch.inference_mode()
+def decode_profile(model: Qwen3ForCausalLM, args: ModelArgs, rows: int, prompt: int, steps: int) -> dict:
+    """CPU ms of one decode step of `rows` requests after `prompt` tokens, split into its weight GEMMs
+    (the same products run alone, packed and as transformers' unfused `F.linear`) and the rest."""
+    cache = KVCache()
+    ids = torch.tensor(prompts(rows, prompt, 5))
+    token = model(ids, kv_cache=cache, logits_to_keep=1)[:, -1].argmax(-1, keepdim=True)
+
+    def step() -> None:
+        nonlocal token
+        position = torch.full((rows, 1), cache.length)
+        token = model(token, position, None, cache)[:, -1].argmax(-1, keepdim=True)
+
+    def projections(fused: bool) -> list[tuple[object, torch.Tensor]]:
+        calls = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if fused:
+                parts = [attn._packed["qkv"], attn._packed["o"], mlp._packed["gate_up"], mlp._packed["down"]]
+            else:
+                parts = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj]
+                parts.append(mlp.down_proj)
+            calls += parts
+        calls.append(model._packed["lm_head"] if fused else model.lm_head)
+        return [(c, torch.randn(rows, (c.layers[0] if fused else c).weight.size(1))) for c in calls]
+
+    def gemms(calls) -> None:
+        for fn, x in calls:
+            fn(x)
+
+    packed_calls, plain_calls = projections(True), projections(False)
+    step_s = _median_time(lambda: [step() for _ in range(steps)], 3) / steps
+    packed_s = _median_time(lambda: gemms(packed_calls), 5)
+    plain_s = _median_time(lambda: gemms(plain_calls), 5)
+    flops = 2 * rows * sum(c.weight.numel() for c, _ in plain_calls)
+    return {
+        "rows": rows,
+        "step_ms": round(1000 * step_s, 2),
+        "packed_gemm_ms": round(1000 * packed_s, 2),
+        "plain_gemm_ms": round(1000 * plain_s, 2),
+        "rest_ms": round(1000 * (step_s - packed_s), 2),
+        "packed_gemm_gflops": round(flops / packed_s / 1e9, 2),
+        "plain_gemm_gflops": round(flops / plain_s / 1e9, 2),
+    }
+
+
 # ---------------------------------------------------------------------- driver
 def run_config(name: str, opts, roof: dict) -> dict:
     from transformers import AutoModelForCausalLM
@@ -317,6 +368,19 @@ def run_config(name: str, opts, roof: dict) -> dict:
     finally:
         gyre.shutdown()
         cold.shutdown()
+    result = {
+        "model": {**args.to_dict(), "parameters": args.num_parameters},
+        "engine": engine_figures(rounds, args, roof, opts),
+    }
+    if "profile" in opts.parts and getattr(gyre_model, "_packed", None) is not None:
+        result["decode_profile"] = decode_profile(gyre_model, args, 16, opts.prompt, 8)
+        print(f"  [{name}] decode profile: {result['decode_profile']}", flush=True)
+    if "trainer" in opts.parts:
+        result["trainer"] = train_side(name, train_model, hf_train_model, args, roof, opts)
+    return result
+
+
+def train_side(name: str, train_model, hf_train_model, args: ModelArgs, roof: dict, opts) -> dict:
     batches = tree_batches(opts.train_tokens[name], seed=0)
     gyre_train(train_model, batches[:1])  # warm-up
     hf_train(hf_train_model, batches[:1])
@@ -330,11 +394,7 @@ def run_config(name: str, opts, roof: dict) -> dict:
             f"  [{name}] trainer round {r + 1}: gyre {times['gyre'][-1]:.2f} s, hf {times['hf'][-1]:.2f} s",
             flush=True,
         )
-    return {
-        "model": {**args.to_dict(), "parameters": args.num_parameters},
-        "engine": engine_figures(rounds, args, roof, opts),
-        "trainer": trainer_figures(times, batches, args, roof),
-    }
+    return trainer_figures(times, batches, args, roof)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,8 +406,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session", type=int, default=2048, help="first-turn prompt of the session")
     parser.add_argument("--train-tiny", type=int, default=2234, help="packed row tokens, tiny trainer")
     parser.add_argument("--train-m61", type=int, default=1486, help="packed row tokens, 61M trainer")
+    parser.add_argument(
+        "--parts",
+        default="engine,trainer",
+        help="engine always runs; 'profile': the batch-16 decode step's GEMM share; without 'trainer' "
+        "the trainer side is skipped (file vs_hf_cpu<n>_engine.json)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     opts = parser.parse_args(argv)
+    opts.parts = set(opts.parts.split(","))
     opts.train_tokens = {"tiny": opts.train_tiny, "m61": opts.train_m61}
     torch.set_num_threads(1)
     import transformers
@@ -361,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "torch_threads": 1,
-        "settings": {k: v for k, v in vars(opts).items() if k != "out"},
+        "settings": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(opts).items() if k != "out"},
+        "load_average_start": list(os.getloadavg()),
         "roofline": roof,
         "configs": {},
     }
@@ -371,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({name: {k: v for k, v in result["configs"][name].items() if k != "model"}}, indent=1)
         )
     result["roofline_after"] = roofline()  # the machine's load can move during the run
-    out = Path(opts.out) / f"vs_hf_cpu{os.cpu_count()}.json"
+    result["load_average_end"] = list(os.getloadavg())
+    suffix = "" if "trainer" in opts.parts else "_engine"
+    out = Path(opts.out) / f"vs_hf_cpu{os.cpu_count()}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"saved {out}")

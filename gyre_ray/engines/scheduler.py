@@ -280,7 +280,7 @@ class Scheduler:
         if not done:
             return {}
         columns = torch.tensor([packed.last_columns()[i] for i in done], device=self.device)
-        logits = self.model.lm_head(hidden[0, columns])
+        logits = self.model.logits(hidden[0, columns])
         rows = [work[i][0] for i in done]
         tokens, logprobs = sample_rows(logits, [r.sampling for r in rows], [r.generator for r in rows])
         events = {}

@@ -41,6 +41,7 @@ from gyre_ray.engines.scheduler import Scheduler
 from gyre_ray.engines.weights import WeightHolder
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.kv_cache import KVCache
+from gyre_ray.model.packed_linear import pack_inference_weights
 
 _COUNTERS = (
     "requests",
@@ -107,6 +108,8 @@ class TorchEngine(RolloutEngine):
             stop_token_ids = [] if args.eos_token_id is None else [args.eos_token_id]
         self.stop_token_ids = frozenset(check_token_ids(stop_token_ids, args.vocab_size, "stop_token_ids"))
         self.device = next(model.parameters()).device
+        if hasattr(model, "lm_head") and hasattr(model, "model"):
+            pack_inference_weights(model, rows_hint=min(max_batch_size, 16))
         self._weights = WeightHolder(model, free_on_release=free_weights_on_release)
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._busy_seconds = 0.0

@@ -3,7 +3,8 @@
 `release()` frees the parameters' storage (the cell is about to train and needs the memory);
 `resume()` re-allocates it uninitialised, and the engine does not step again until `load()` has
 filled it with a version's weights. With `free_on_release=False` (a model object shared with a
-trainer in the same process) release and resume leave the weights alone.
+trainer in the same process) release and resume leave the weights alone. Either way release frees
+the packed inference copies (`gyre_ray.model.packed_linear`), rebuilt from the weights on next use.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from gyre_ray.engines.base import EngineInputError
 from gyre_ray.model.checkpoint import load_state_into
+from gyre_ray.model.packed_linear import free_packed_copies
 
 
 class WeightHolder:
@@ -42,6 +44,7 @@ class WeightHolder:
         self.loaded = True
 
     def release(self) -> None:
+        free_packed_copies(self.model)  # inference copies: rebuilt from the parameters at their next use
         if not self.free_on_release or self._shapes is not None:
             return
         self._shapes = []

@@ -6,6 +6,9 @@ mask (tree / packed / padded rows) and a `KVCache` it appends to. With no mask, 
 over cache + new tokens and never materialises a T x S mask for a fresh prefill, so a long
 single-sequence prefill stays within memory; a mask or a past turns into one `AttentionPlan`
 (`gyre_ray.model.attention`) per forward: query blocks of bounded size that skip invisible keys.
+Without gradients (the engine) the projections use packed fused copies where the engine made them
+(`gyre_ray.model.packed_linear`) and RMSNorm runs as one fused kernel; with gradients (the trainer)
+every op is the plain one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.attention import AttentionPlan, attend, plan_attention, plan_causal
 from gyre_ray.model.kv_cache import KVCache
 from gyre_ray.model.packed_kv import PackedCaches
+from gyre_ray.model.packed_linear import linear, packed
 
 
 class RMSNorm(nn.Module):
@@ -29,6 +33,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and not torch.is_grad_enabled():  # inference: one fused kernel
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -84,9 +90,11 @@ class Qwen3Attention(nn.Module):
         kv_cache: KVCache | PackedCaches | None,
     ) -> torch.Tensor:
         batch, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        qkv = packed(self, "qkv")
+        q, k, v = qkv.split(x) if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = self.q_norm(q.view(batch, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(batch, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         past_len = 0
@@ -98,7 +106,8 @@ class Qwen3Attention(nn.Module):
                 past_len = kv_cache.length
                 k, v = kv_cache.update(self.layer_idx, k, v)
             out = attend(q, k, v, mask, past_len)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, t, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(batch, t, self.num_heads * self.head_dim)
+        return linear(self, "o", self.o_proj, out)
 
 
 class Qwen3MLP(nn.Module):
@@ -109,7 +118,9 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = packed(self, "gate_up")
+        gate, up = gate_up.split(x) if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return linear(self, "down", self.down_proj, F.silu(gate) * up)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -224,7 +235,11 @@ class Qwen3ForCausalLM(nn.Module):
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, kv_cache)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
-        return self.lm_head(hidden)
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed hidden states (its packed copy in inference, see packed_linear)."""
+        return linear(self, "lm_head", self.lm_head, hidden)
 
 
 @torch.no_grad()

@@ -1,0 +1,94 @@
+"""Packed (fused, oneDNN-reordered) inference weights give the plain model's logits and follow weight changes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gyre_ray.engines.testing import small_args
+from gyre_ray.model.kv_cache import KVCache
+from gyre_ray.model.packed_linear import (
+    free_packed_copies,
+    pack_inference_weights,
+    packing_supported,
+    unpack_inference_weights,
+)
+from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
+
+pytestmark = pytest.mark.skipif(not packing_supported(torch.zeros(1)), reason="torch built without oneDNN")
+
+
+def model_pair(seed: int = 0, **overrides) -> tuple[Qwen3ForCausalLM, Qwen3ForCausalLM]:
+    args = small_args()
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    plain = init_weights(Qwen3ForCausalLM(args), seed=seed).eval()
+    fast = copy.deepcopy(plain)
+    assert pack_inference_weights(fast, rows_hint=4)
+    return plain, fast
+
+
+def prefill_then_decode(model: Qwen3ForCausalLM, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Logits of a prefill and `steps` greedy decode steps, concatenated along time."""
+    cache = KVCache()
+    with torch.inference_mode():
+        logits = [model(ids, kv_cache=cache)]
+        for _ in range(steps):
+            logits.append(model(logits[-1][:, -1:].argmax(-1), kv_cache=cache))
+    return torch.cat(logits, 1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_logits_equal_plain_in_prefill_and_decode(tied: bool) -> None:
+    plain, fast = model_pair(tie_word_embeddings=tied)
+    ids = torch.randint(0, 512, (3, 9), generator=torch.Generator().manual_seed(1))
+    expected, got = prefill_then_decode(plain, ids, 5), prefill_then_decode(fast, ids, 5)
+    assert got.shape == expected.shape == (3, 14, 512)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert fast.model.layers[0].self_attn._packed["qkv"]._packed is not None  # the packed path ran
+
+
+def test_packed_copies_follow_in_place_updates_replacements_and_free() -> None:
+    plain, fast = model_pair()
+    ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(2))
+    prefill_then_decode(fast, ids, 1)  # pack
+    new_state = init_weights(Qwen3ForCausalLM(small_args()), seed=7).state_dict()
+    plain.load_state_dict(new_state)
+    fast.load_state_dict(new_state)  # in place: the version counters move
+    torch.testing.assert_close(prefill_then_decode(fast, ids, 2), prefill_then_decode(plain, ids, 2))
+    with torch.no_grad():  # an optimizer-like in-place step on one projection
+        for model in (plain, fast):
+            model.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+    torch.testing.assert_close(prefill_then_decode(fast, ids, 2), prefill_then_decode(plain, ids, 2))
+    replacement = torch.randn_like(plain.model.layers[0].self_attn.k_proj.weight) * 0.02
+    for model in (plain, fast):  # a new parameter object
+        model.model.layers[0].self_attn.k_proj.weight = torch.nn.Parameter(replacement.clone())
+    torch.testing.assert_close(prefill_then_decode(fast, ids, 2), prefill_then_decode(plain, ids, 2))
+    free_packed_copies(fast)
+    assert fast._packed["lm_head"]._packed is None
+    torch.testing.assert_close(prefill_then_decode(fast, ids, 1), prefill_then_decode(plain, ids, 1))
+    copied = copy.deepcopy(fast)  # copies carry no oneDNN tensor and pack again on use
+    torch.testing.assert_close(prefill_then_decode(copied, ids, 1), prefill_then_decode(plain, ids, 1))
+    unpack_inference_weights(fast)
+    assert fast._packed is None
+    torch.testing.assert_close(prefill_then_decode(fast, ids, 1), prefill_then_decode(plain, ids, 1))
+
+
+def test_training_forward_bypasses_packed_copies_and_gradients_match() -> None:
+    plain, fast = model_pair()
+    ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
+    for model in (plain, fast):
+        model(ids).logsumexp(-1).sum().backward()
+    assert fast._packed["lm_head"]._packed is None  # never packed: gradients went through F.linear
+    for (name, a), (_, b) in zip(plain.named_parameters(), fast.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_unsupported_dtype_keeps_plain_linear() -> None:
+    model = init_weights(Qwen3ForCausalLM(small_args()), seed=0).double().eval()
+    assert not pack_inference_weights(model)
+    assert getattr(model, "_packed", None) is None
+    with torch.inference_mode():
+        assert model(torch.tensor([[1, 2, 3]])).dtype == torch.float64
