@@ -13,7 +13,8 @@ identity, storage and in-place version counter of its source weights; it rebuild
 of them moved (`load_state_dict`, an optimizer step on a shared model, `param.data = ...`, a new
 parameter object), so a forward never reads stale weights.
 `unpack_inference_weights(model)` drops them (the engine does this when it frees its weights).
-Anything but a float32 CPU weight with oneDNN available keeps plain `F.linear`.
+Anything but a float32 CPU weight with oneDNN available keeps plain `F.linear`, and so does a call
+with a single row (a lone request's decode step), where MKL beats oneDNN by ~8% (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ class PackedLinear:
         self._signature = self._current()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.size(-1):  # one row (a lone decode): MKL's F.linear is faster there
+            weights = [layer.weight for layer in self.layers]
+            return (
+                F.linear(x, weights[0])
+                if len(weights) == 1
+                else torch.cat([F.linear(x, w) for w in weights], -1)
+            )
         if self._packed is None or self._current() != self._signature:
             self._refresh()  # first use, or the parameters changed in place or were replaced
         return _OPS._linear_pointwise(x, self._packed, None, "none", [], "")
