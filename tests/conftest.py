@@ -5,6 +5,7 @@ A module that needs another model defines its own `model` fixture, which takes p
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -47,3 +48,30 @@ def exec_tmp() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="gyre-exec-test-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop_leftover_ray() -> None:
+    """Shut down a Ray (and its Serve) this process still has: one a module left behind, or one Ray
+    started by itself on a first `ray.put` / `ray.get` outside any fixture."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    if ray.is_initialized():
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_across_modules() -> Iterator[None]:
+    """Each test module starts with no Ray in this process and leaves none behind (under pytest-xdist
+    one worker runs many modules in turn; a leftover Ray would make the next module's `ray.init` fail
+    and its jobs run without their own options)."""
+    _stop_leftover_ray()
+    yield
+    _stop_leftover_ray()

@@ -146,7 +146,7 @@ def test_a_fork_bomb_stays_within_its_process_limit_and_its_tree_ends(exec_tmp: 
     start = time.monotonic()
     try:
         out = run_execution(
-            "bomb", _task(), NOWHERE, exec_tmp / "ws", command=_py(bomb), timeout_s=3,
+            "bomb", _task(), NOWHERE, exec_tmp / "ws", command=_py(bomb), timeout_s=6,
             limits=Limits(max_processes=24),
         )  # fmt: skip
     finally:

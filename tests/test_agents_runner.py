@@ -44,7 +44,9 @@ def test_timeout_ends_the_harness_and_still_scores_the_workspace(exec_tmp: Path)
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
     )
     task = Task("vowels", "x", evaluate=char_coverage_evaluator("aeiu"))
-    out = run_execution("e2", task, ENDPOINT, exec_tmp / "ws", command=_py(code), timeout_s=2)
+    out = run_execution(
+        "e2", task, ENDPOINT, exec_tmp / "ws", command=_py(code), timeout_s=6
+    )  # room for a slow interpreter start on a busy machine
     assert out.timed_out and out.exit_code is None
     assert out.reward == pytest.approx(0.5 * 2 / 4 + 0.5 * 2 / 4)  # coverage 2/4, density 2/4
     assert out.valid and out.detail.startswith("timed out")
