@@ -22,11 +22,15 @@ TIME_WORDS = ("hour", "day", "week", "year")
 OBJECTS = ("tree", "box", "key", "map")
 WORD_POOL = TIME_WORDS + OBJECTS
 
+# In this order a job taking two tasks per step (cycling through the set) gets a complementary pair
+# every step, hour-day + week-year or hour-week + day-year, so each step's gradient favours all four
+# units of time alike; in alphabetical order every other step held only tasks with "hour" (or none),
+# and the policy swung towards and away from it from step to step.
 _WORD_SPECS = (
     ("hour-day", "Save two units of time with write_file: hour and day.", ("hour", "day")),
+    ("week-year", "Save two units of time with write_file: week and year.", ("week", "year")),
     ("hour-week", "Save two units of time with write_file: hour and week.", ("hour", "week")),
     ("day-year", "Save two units of time with write_file: day and year.", ("day", "year")),
-    ("week-year", "Save two units of time with write_file: week and year.", ("week", "year")),
 )
 
 
