@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     curves: dict[str, dict[str, Any]] = {}
     for item in args.run:
-        label, sep, folder = item.partition("=")
+        label, sep, folder = item.rpartition("=")  # a label may hold "=" (lr=0)
         if not sep or not folder:
             parser.error(f"--run takes LABEL=RUN_DIR, got {item!r}")
         curves[label] = curve(Path(folder))
