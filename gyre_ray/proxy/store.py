@@ -318,6 +318,8 @@ def actor_was_restarted() -> bool:
 
     import ray
 
+    if not ray.is_initialized():  # an in-process store: asking the runtime context would start a Ray
+        return False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Ray's own deprecation warning inside this call
         try:
