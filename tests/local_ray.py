@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from gyre_ray.runtime.cluster import start_local_ray
@@ -27,3 +28,15 @@ def private_ray(**options: Any) -> Iterator[None]:
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
+
+
+def toy_runtime(folder: Path, overrides: list[str], executor: Any, timeout_s: float = 300.0) -> Any:
+    """A `Runtime` of jobs/configs/toy.yaml with `overrides`, its records under `folder/records` and its
+    scheduler's run folder `folder`, executions run by `executor` (a test workload); in a Ray that is up."""
+    from gyre_ray.config import load_config
+    from gyre_ray.runtime.cluster import Runtime
+
+    cfg = load_config("jobs/configs/toy.yaml", [*overrides, f"proxy.records_dir={folder / 'records'}"])
+    return Runtime.start(
+        cfg, scheduler_options={"run_dir": str(folder), "execute": executor}, timeout_s=timeout_s
+    )

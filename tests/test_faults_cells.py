@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from gyre_ray.runtime.cluster import start_local_ray
+from local_ray import private_ray, toy_runtime
 
 ray = pytest.importorskip("ray")
 
@@ -27,7 +26,6 @@ from fault_workload import (  # noqa: E402
     ship_by_value,
 )
 
-from gyre_ray.config import load_config  # noqa: E402
 from gyre_ray.runtime.cluster import Runtime  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -37,18 +35,9 @@ OVERRIDES = fault_overrides(cells=3, capacity=2)
 
 @pytest.fixture(scope="module")
 def local_ray():
-    from ray import serve
-
     ship_by_value()
-    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    serve.shutdown()
-    ray.shutdown()
-
-
-def start_runtime(folder, executor: CountingExecutor) -> Runtime:
-    cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
-    return Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": executor}, timeout_s=300)
+    with private_ray():
+        yield
 
 
 def cell_status(rt: Runtime, cell_id: str) -> dict:
@@ -121,7 +110,7 @@ def faulted_step(rt: Runtime, policy: str, wanted) -> tuple[dict, str, str, dict
 
 def test_rollout_cell_dies_with_calls_in_flight(local_ray, tmp_path) -> None:
     executor = CountingExecutor(calls=4, max_tokens=24, tool_s=0.2)
-    rt = start_runtime(tmp_path, executor)
+    rt = toy_runtime(tmp_path, OVERRIDES, executor)
     try:
         serving = lambda s: s["role"] == "rollout" and s["inflight"] > 0  # noqa: E731
         result, cell_id, actor, _, gap = faulted_step(rt, "elastic", serving)
@@ -138,7 +127,7 @@ def test_rollout_cell_dies_with_calls_in_flight(local_ray, tmp_path) -> None:
 
 def test_satellite_dies_holding_trained_micro_batches(local_ray, tmp_path) -> None:
     executor = CountingExecutor(calls=3, max_tokens=24, tool_s=0.1)
-    rt = start_runtime(tmp_path, executor)
+    rt = toy_runtime(tmp_path, OVERRIDES, executor)
     try:
         trained_there = lambda s: s["role"] == "train" and s["unexported_micro_batches"] > 0  # noqa: E731
         result, cell_id, actor, old, gap = faulted_step(rt, "colocate", trained_there)

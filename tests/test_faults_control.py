@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from gyre_ray.runtime.cluster import start_local_ray
+from local_ray import private_ray, toy_runtime
 
 ray = pytest.importorskip("ray")
 
@@ -27,7 +26,6 @@ from fault_workload import (  # noqa: E402
     ship_by_value,
 )
 
-from gyre_ray.config import load_config  # noqa: E402
 from gyre_ray.runtime.cluster import Runtime  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,18 +36,13 @@ EXECUTOR = CountingExecutor(calls=4, max_tokens=16, tool_s=0.4)
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
-    from ray import serve
-
     ship_by_value()
-    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    folder = tmp_path_factory.mktemp("control")
-    cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
-    rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": EXECUTOR}, timeout_s=300)
-    rt.folder = folder
-    yield rt
-    rt.shutdown()
-    serve.shutdown()
-    ray.shutdown()
+    with private_ray():
+        folder = tmp_path_factory.mktemp("control")
+        rt = toy_runtime(folder, OVERRIDES, EXECUTOR)
+        rt.folder = folder
+        yield rt
+        rt.shutdown()
 
 
 def wait_for_calls(rt: Runtime, run_ref, calls: int, timeout_s: float = 300.0) -> None:

@@ -12,15 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from gyre_ray.runtime.cluster import start_local_ray
+from local_ray import private_ray, toy_runtime
 
 ray = pytest.importorskip("ray")
 
 from longtail_workload import LongTailExecutor, ship_by_value  # noqa: E402
 
-from gyre_ray.config import load_config  # noqa: E402
-from gyre_ray.runtime.cluster import Runtime  # noqa: E402
 from gyre_ray.trajectory.records import read_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -40,17 +37,12 @@ EXECUTOR = LongTailExecutor(hour_s=4.0, tool_s=0.4, max_tokens=6, seed=1)
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
-    from ray import serve
-
     ship_by_value()
-    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    folder = tmp_path_factory.mktemp("run")
-    cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
-    rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": EXECUTOR}, timeout_s=300)
-    yield rt, folder
-    rt.shutdown()
-    serve.shutdown()
-    ray.shutdown()
+    with private_ray():
+        folder = tmp_path_factory.mktemp("run")
+        rt = toy_runtime(folder, OVERRIDES, EXECUTOR)
+        yield rt, folder
+        rt.shutdown()
 
 
 def _run(runtime, steps: int, tag: str, **scheduler) -> dict:

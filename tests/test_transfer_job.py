@@ -25,12 +25,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import torch  # noqa: E402
+from fault_workload import reference_weights, relative_update_gap  # noqa: E402
+from local_ray import private_ray, toy_runtime  # noqa: E402
 from longtail_workload import register_by_value  # noqa: E402
-from test_faults_cells import reference_weights, relative_update_gap  # noqa: E402
 from test_transfer import _kill_and_wait  # noqa: E402
 
-from gyre_ray.config import load_config  # noqa: E402
-from gyre_ray.runtime.cluster import Runtime, start_local_ray  # noqa: E402
+from gyre_ray.runtime.cluster import Runtime  # noqa: E402
 from gyre_ray.transfer.mooncake import mooncake_available  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -100,21 +100,16 @@ class SeededExecutor:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """One runtime for the module (starting one per backend costs minutes here) and its first checkpoint."""
-    from ray import serve
-
     from gyre_ray.checkpoint import trainer_dir
 
     register_by_value(__name__)
-    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    folder = tmp_path_factory.mktemp("job")
-    cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
-    rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": SeededExecutor()})
-    checkpoint = folder / "start"
-    ray.get(rt.core.save.remote(str(trainer_dir(checkpoint))), timeout=120)
-    yield rt, checkpoint
-    rt.shutdown()
-    serve.shutdown()
-    ray.shutdown()
+    with private_ray():
+        folder = tmp_path_factory.mktemp("job")
+        rt = toy_runtime(folder, OVERRIDES, SeededExecutor())
+        checkpoint = folder / "start"
+        ray.get(rt.core.save.remote(str(trainer_dir(checkpoint))), timeout=120)
+        yield rt, checkpoint
+        rt.shutdown()
 
 
 JOBS: dict[str, dict[str, Any]] = {}  # backend -> what its job left (weights after the update, batches)
