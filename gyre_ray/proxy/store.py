@@ -38,6 +38,7 @@ class _Execution:
     def __init__(self, execution_id: str, api_key: str | None, metadata: dict[str, Any]) -> None:
         self.execution_id = execution_id
         self.api_key = api_key  # None when restored from the registry (which keeps only its digest)
+        self.key_digest: str | None = None  # restored: the digest its key is known by (`_by_digest`)
         self.restored = False
         self.call_ids: set[str] = set()  # durable mode: call ids on file (not finished executions)
         self.metadata = metadata
@@ -92,14 +93,12 @@ class TrajectoryStore:
             if known is not None and not self._retried_register(known):
                 raise StoreError(f"execution {execution_id!r} is already registered")
             if known is not None:  # its register reached the dead store, whose answer was lost: new key
-                self._by_digest = {d: e for d, e in self._by_digest.items() if e != execution_id}
-                known.api_key, known.restored = api_key, False
-                self._registry.rekeyed(execution_id, api_key)
+                self._rekey(known, api_key)
             else:
                 self._executions[execution_id] = _Execution(execution_id, api_key, dict(metadata or {}))
                 if self._registry is not None:
                     self._registry.registered(execution_id, api_key, dict(metadata or {}))
-            self._by_key[api_key] = execution_id
+                self._by_key[api_key] = execution_id
             return {"execution_id": execution_id, "api_key": api_key}
 
     @staticmethod
@@ -120,15 +119,18 @@ class TrajectoryStore:
         restarted scheduler launches again an execution whose harness never started, whose key a
         restarted store may only know by digest; never exposed over HTTP)."""
         with self._lock:
-            ex = self._get(execution_id)
             api_key = "gyre-" + secrets.token_urlsafe(24)
-            self._by_key = {k: e for k, e in self._by_key.items() if e != execution_id}
-            self._by_digest = {d: e for d, e in self._by_digest.items() if e != execution_id}
-            ex.api_key, ex.restored = api_key, False
-            self._by_key[api_key] = execution_id
-            if self._registry is not None:
-                self._registry.rekeyed(execution_id, api_key)
+            self._rekey(self._get(execution_id), api_key)
             return api_key
+
+    def _rekey(self, ex: _Execution, api_key: str) -> None:
+        """`api_key` is `ex`'s key from now on; its old key (or key digest) no longer names it."""
+        self._by_key.pop(ex.api_key, None)
+        self._by_digest.pop(ex.key_digest, None)
+        ex.api_key, ex.key_digest, ex.restored = api_key, None, False
+        self._by_key[api_key] = ex.execution_id
+        if self._registry is not None:
+            self._registry.rekeyed(ex.execution_id, api_key)
 
     def execution_info(self, execution_id: str) -> dict[str, Any]:
         ex = self._get(execution_id)
@@ -258,19 +260,24 @@ class TrajectoryStore:
                 else:
                     ex.call_ids.add(record.call_id)
                     by_execution.setdefault(ex.execution_id, []).append((record, splice_key))
-            for execution_id, added in by_execution.items():
+            for execution_id, added in by_execution.items():  # records_dir: made by the registry
                 ex = self._executions[execution_id]
-                self.records_dir.mkdir(parents=True, exist_ok=True)
                 store_files.append_records(self._path(ex), [r for r, _ in added], self.fsync)
                 ex.spilled += len(added)
-                if ex.finished:
+                if ex.finished:  # a (rare) call after the end: on file, neither deduplicated nor spliced
                     ex.call_ids.clear()
-                keys = [(key, r.call_id) for r, key in added if key is not None and r.output_ids]
-                for record, key in added:
-                    if key is not None and record.output_ids and not ex.finished:
-                        self._index_splice(ex, key, record.call_id, list(record.output_ids))
-                if keys and not ex.finished:
+                    continue
+                spliced = [(key, r) for r, key in added if key is not None and r.output_ids]
+                for key, record in spliced:
+                    self._index_splice(ex, key, record.call_id, list(record.output_ids))
+                if spliced:
+                    keys = [(key, record.call_id) for key, record in spliced]
                     store_files.append_splice(self.records_dir, execution_id, keys, self.fsync)
+
+    def _restore_digest(self, ex: _Execution, digest: str) -> None:
+        self._by_digest.pop(ex.key_digest, None)
+        ex.key_digest = digest
+        self._by_digest[digest] = ex.execution_id
 
     def _index_splice(self, ex: _Execution, key: str, call_id: str, output_ids: list[int]) -> None:
         ex.splice[key] = (call_id, output_ids)
@@ -286,11 +293,9 @@ class TrajectoryStore:
                 ex = _Execution(event["register"], None, event.get("metadata") or {})
                 ex.restored = True
                 self._executions[ex.execution_id] = ex
-                self._by_digest[event["key_sha256"]] = ex.execution_id
+                self._restore_digest(ex, event["key_sha256"])
             elif "rekey" in event and event["rekey"] in self._executions:
-                digest = event["key_sha256"]
-                self._by_digest = {d: e for d, e in self._by_digest.items() if e != event["rekey"]}
-                self._by_digest[digest] = event["rekey"]
+                self._restore_digest(self._executions[event["rekey"]], event["key_sha256"])
             elif "finish" in event and event["finish"] in self._executions:
                 self._executions[event["finish"]].finished = True
         for ex in self._executions.values():

@@ -34,6 +34,18 @@ def key_digest(api_key: str) -> str:
     return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
 
 
+def json_lines(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON objects of an append-only file, one per line, up to a torn last line (its writer was
+    killed mid-write; nothing after it was ever written); nothing when the file does not exist."""
+    if not path.exists():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:
+            return
+
+
 def _append_lines(path: Path, lines: list[str], fsync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
@@ -70,13 +82,7 @@ class Registry:
 
     def replay(self) -> Iterator[dict[str, Any]]:
         """The registry's events in order (a torn last line, the writer killed mid-write, is skipped)."""
-        if not self.path.exists():
-            return
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                yield json.loads(line)
-            except ValueError:
-                return
+        return json_lines(self.path)
 
     def _write(self, event: dict[str, Any]) -> None:
         _append_lines(self.path, [json.dumps(event) + "\n"], self.fsync)
@@ -96,17 +102,7 @@ def append_splice(records_dir: Path, execution_id: str, keys: list[tuple[str, st
 
 
 def read_splice(records_dir: Path, execution_id: str) -> list[tuple[str, str]]:
-    path = records_dir / SPLICE_DIR / f"{execution_id}.jsonl"
-    if not path.exists():
-        return []
-    pairs = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            item = json.loads(line)
-        except ValueError:
-            break
-        pairs.append((item["k"], item["c"]))
-    return pairs
+    return [(item["k"], item["c"]) for item in json_lines(records_dir / SPLICE_DIR / f"{execution_id}.jsonl")]
 
 
 def scan_records(path: Path) -> tuple[int, dict[str, list[int]]]:

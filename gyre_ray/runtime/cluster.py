@@ -243,9 +243,7 @@ class Runtime:
         ).remote()
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
-        restarts = (
-            self.config.run.max_scheduler_restarts
-        )  # a call in flight is retried on the restarted actor
+        restarts = self.config.run.max_scheduler_restarts  # a call in flight is retried on the new actor
         return SchedulerActor.options(
             name=SCHEDULER_NAME,
             namespace=self.namespace,

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.proxy.store_files import json_lines
+
 JOURNAL_NAME = "scheduler-journal.jsonl"
 
 
@@ -62,15 +64,8 @@ class RunJournal:
     @staticmethod
     def replay(run_dir: str | Path, header: dict[str, Any]) -> JournalState | None:
         """The state of the journaled run if it is the run `header` names; else None."""
-        path = Path(run_dir) / JOURNAL_NAME
-        if not path.exists():
-            return None
         state: JournalState | None = None
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:  # a line torn by the death of the writer: the last one
-                break
+        for event in json_lines(Path(run_dir) / JOURNAL_NAME):  # up to a line torn by the writer's death
             if "run" in event:
                 state = JournalState(event["run"], int(event.get("version", 0)))
             elif state is None:
