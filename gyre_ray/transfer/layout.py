@@ -126,3 +126,45 @@ def use_count(buffer: torch.Tensor) -> int | None:
     """How many tensors share `buffer`'s storage (None where this torch does not say)."""
     counter = getattr(torch._C, "_storage_Use_Count", None)
     return None if counter is None else int(counter(buffer.untyped_storage()._cdata))
+
+
+class ReusableBuffer:
+    """A uint8 receive/staging buffer that may be handed out again once no tensor returned from its
+    last use still views it (its storage's use count is back to the count it had idle); where torch
+    cannot say, it counts as viewed for good. `touch`: every page written once when it is allocated,
+    so copies into it later do not fault. Subclasses hook `_allocated` / `_released` (registration)."""
+
+    def __init__(self, touch: bool = False) -> None:
+        self.touch = touch
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._idle_count: int | None = None
+
+    def ensure(self, nbytes: int) -> torch.Tensor:
+        """The whole buffer, replaced by a new allocation first when it is smaller than `nbytes`."""
+        if self.buffer.numel() < nbytes:
+            self.free()
+            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            if self.touch:
+                self.buffer.fill_(0)
+            self._allocated()
+            self._idle_count = use_count(self.buffer)
+        return self.buffer
+
+    def viewed(self) -> bool:
+        """Tensors returned from an earlier use still view the buffer (False for an unallocated one)."""
+        if not self.buffer.numel():
+            return False
+        count = use_count(self.buffer)
+        return count is None or count != self._idle_count
+
+    def free(self) -> None:
+        """Let go of the buffer (tensors viewing it stay valid: this object just drops its reference)."""
+        if self.buffer.numel():
+            self._released()
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def _allocated(self) -> None:
+        """Called with each new allocation."""
+
+    def _released(self) -> None:
+        """Called before the buffer is let go."""

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gyre_ray.transfer.base import Ticket, TransferError, Transport, register_transport
-from gyre_ray.transfer.layout import ALIGN, plan, read_from, use_count, write_into
+from gyre_ray.transfer.layout import ALIGN, ReusableBuffer, plan, read_from, write_into
 
 HEADER = ALIGN  # bytes before the payload: int64 sequence number, then padding
 
@@ -47,41 +47,24 @@ class _StuckRead(TransferError):
     """A read that did not finish within `transfer.timeout_s` (its receive buffer is abandoned)."""
 
 
-class _Registered:
-    """A uint8 buffer registered with the engine (re-registered when it must grow)."""
+class _Registered(ReusableBuffer):
+    """A buffer registered with the engine (registered again when it must grow; `free` unregisters)."""
 
     def __init__(self, engine: Any, touch: bool = False) -> None:
+        super().__init__(touch)
         self.engine = engine
-        self.touch = touch  # write every page once at allocation, so transfers into it do not fault
-        self.buffer = torch.empty(0, dtype=torch.uint8)
         self.busy = False  # a fetch is reading into it
-        self._idle_count: int | None = None
 
-    def ensure(self, nbytes: int) -> torch.Tensor:
-        if self.buffer.numel() < nbytes:
-            self.free()
-            self.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            if self.touch:
-                self.buffer.fill_(0)
-            if self.engine.register_memory(self.buffer.data_ptr(), self.buffer.numel()) != 0:
-                raise TransferError(f"mooncake: registering a {nbytes}-byte buffer failed")
-            self._idle_count = use_count(self.buffer)
-        return self.buffer
+    def _allocated(self) -> None:
+        if self.engine.register_memory(self.buffer.data_ptr(), self.buffer.numel()) != 0:
+            raise TransferError(f"mooncake: registering a {self.buffer.numel()}-byte buffer failed")
+
+    def _released(self) -> None:
+        self.engine.unregister_memory(self.buffer.data_ptr())
 
     def in_use(self) -> bool:
         """A fetch is reading into it, or tensors returned by an earlier one still view it."""
-        if self.busy:
-            return True
-        if not self.buffer.numel():
-            return False
-        count = use_count(self.buffer)
-        return count is None or count != self._idle_count
-
-    def free(self) -> None:
-        """Unregister the buffer (tensors viewing it stay valid: this object just lets go of it)."""
-        if self.buffer.numel():
-            self.engine.unregister_memory(self.buffer.data_ptr())
-            self.buffer = torch.empty(0, dtype=torch.uint8)
+        return self.busy or self.viewed()
 
 
 @register_transport

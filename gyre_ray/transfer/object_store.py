@@ -18,7 +18,7 @@ import ray
 import torch
 
 from gyre_ray.transfer.base import Ticket, Transport, register_transport
-from gyre_ray.transfer.layout import plan, read_from, use_count, write_into
+from gyre_ray.transfer.layout import ReusableBuffer, plan, read_from, write_into
 
 
 @register_transport
@@ -29,21 +29,13 @@ class ObjectStoreTransport(Transport):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._pool: list[tuple[torch.Tensor, int | None]] = []  # (buffer, its use count when idle)
+        self._pool = [ReusableBuffer(touch=True) for _ in range(self.section.receive_buffers)]
 
     def _receive_buffer(self, nbytes: int) -> torch.Tensor:
         """A pooled, touched buffer of at least `nbytes` that nothing views any more, else a fresh one."""
-        for i, (buffer, idle) in enumerate(self._pool):
-            if idle is None or use_count(buffer) != idle:
-                continue  # tensors of its last fetch are alive (or this torch cannot say)
-            if buffer.numel() < nbytes:
-                buffer = torch.zeros(nbytes, dtype=torch.uint8)  # grows: touched once, here
-                self._pool[i] = (buffer, use_count(buffer))
-            return buffer[:nbytes]
-        if len(self._pool) < self.section.receive_buffers:
-            buffer = torch.zeros(nbytes, dtype=torch.uint8)  # touched once, here
-            self._pool.append((buffer, use_count(buffer)))
-            return buffer[:nbytes]
+        for slot in self._pool:
+            if not slot.viewed():  # tensors of its last fetch are gone (or it was never used)
+                return slot.ensure(nbytes)[:nbytes]
         return torch.empty(nbytes, dtype=torch.uint8)  # every pooled buffer is still viewed
 
     def stage(self, payload: Any, *, kind: str, version: int | None = None, **_: Any) -> Ticket:
