@@ -139,9 +139,7 @@ class CollectiveTransport(Transport):
         if seq not in self._staged:
             raise TransferError(f"{self.owner}: staged payload #{seq} was released")
         buffer, ticket = self._staged[seq]
-        address = {"ref": [ray.put(buffer.cpu().numpy())]}
-        return Ticket(ObjectStoreTransport.name, ticket.kind, ticket.sender, ticket.layout, ticket.version,
-                      ticket.checksums, address)  # fmt: skip
+        return ObjectStoreTransport(self.section, self.owner).restage(buffer, ticket)
 
     def release(self, ticket: Ticket) -> None:
         self._staged.pop(ticket.address.get("seq"), None)

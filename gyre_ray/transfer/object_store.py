@@ -12,6 +12,7 @@ no tensor of its last fetch is alive; when all are still viewed, a fetch copies 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ray
@@ -42,8 +43,14 @@ class ObjectStoreTransport(Transport):
         layout, tensors = plan(payload)
         buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         write_into(buffer, layout, tensors)
-        address = {"ref": [ray.put(buffer.numpy())]} if ray.is_initialized() else {"inline": buffer}
-        return Ticket(self.name, kind, self.owner, layout, version, self._checksums(tensors), address)
+        return Ticket(
+            self.name, kind, self.owner, layout, version, self._checksums(tensors), _address(buffer)
+        )
+
+    def restage(self, buffer: torch.Tensor, ticket: Ticket) -> Ticket:
+        """`ticket`'s payload, whose flat bytes are `buffer`, staged here instead (another backend's
+        fallback); sender, layout, version and checksums stay the ticket's."""
+        return dataclasses.replace(ticket, backend=self.name, address=_address(buffer.cpu()))
 
     def fetch(self, ticket: Ticket) -> Any:
         if "inline" in ticket.address:
@@ -61,3 +68,8 @@ class ObjectStoreTransport(Transport):
         buffer.numpy()[:] = array
         self._verify(ticket, buffer)
         return read_from(buffer, ticket.layout, copy=False)
+
+
+def _address(buffer: torch.Tensor) -> dict[str, Any]:
+    """Where a staged flat buffer is: in plasma, or (no Ray in this process) inside the ticket."""
+    return {"ref": [ray.put(buffer.numpy())]} if ray.is_initialized() else {"inline": buffer}
