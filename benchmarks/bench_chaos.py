@@ -150,22 +150,13 @@ def main() -> int:
     from ray import serve
 
     from gyre_ray.config import load_config
-    from gyre_ray.runtime.cluster import Runtime
+    from gyre_ray.runtime.cluster import Runtime, start_local_ray
 
     ship_by_value()
     folder = Path(tempfile.mkdtemp(prefix="gyre-chaos-"))
     overrides = [*fault_overrides(cells=3, capacity=2), "proxy.num_replicas=2", "model.dtype=float32"]
     cfg = load_config("jobs/configs/toy.yaml", [*overrides, f"proxy.records_dir={folder / 'records'}"])
-    for attempt in range(6):  # a loaded machine can miss Ray's 30 s raylet start-up wait
-        try:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-            break
-        except Exception as exc:
-            print(f"ray.init failed ({exc}); retrying", file=sys.stderr)
-            ray.shutdown()
-            if attempt == 5:
-                raise
-            time.sleep(10)
+    start_local_ray(num_cpus=2, include_dashboard=False, logging_level="WARNING")  # retries a slow start
     executor = CountingExecutor(calls=args.calls, max_tokens=16, tool_s=0.3, deadline_s=600)
     rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": executor}, timeout_s=600)
     try:
