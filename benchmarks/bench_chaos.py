@@ -173,7 +173,7 @@ def main() -> int:
         ray.shutdown()
     report = {
         "benchmark": "chaos",
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},  # no machine path
         "fault_free": clean,
         "chaos": chaos,
         "fault_free_after": after,

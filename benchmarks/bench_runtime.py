@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.train import scored_rewards
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -57,7 +59,7 @@ def _simulate(run_dir: Path, prefetch: str) -> dict[str, Any]:
 
 def _row(name: str, result: dict[str, Any]) -> dict[str, Any]:
     steps = result["steps"]
-    rewards = [m["reward_mean"] for m in steps]
+    rewards = scored_rewards(steps)
     util = result["utilisation"]
     return {
         "run": name,

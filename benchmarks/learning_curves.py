@@ -17,19 +17,21 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.train import scored_rewards
+
 
 def curve(run_dir: Path) -> dict[str, Any]:
     """Per-step mean reward, per-task rewards and the trend of one run folder."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not rows:
         raise SystemExit(f"{run_dir}: metrics.jsonl has no steps")
-    rewards = [float(r["reward_mean"]) for r in rows]
+    rewards = scored_rewards(rows)  # a step that scored no execution has no reward (reward_mean null)
     k = min(3, len(rewards))
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     return {
         "run_dir": str(run_dir),
-        "steps": len(rewards),
-        "reward_mean": [round(r, 4) for r in rewards],
+        "steps": len(rows),
+        "reward_mean": [None if r["reward_mean"] is None else round(r["reward_mean"], 4) for r in rows],
         "reward_by_task": [r.get("reward_by_task", {}) for r in rows],
         "trend": round(sum(rewards[-k:]) / k - sum(rewards[:k]) / k, 4),
         "trend_se": round(statistics.stdev(rewards) * (2 / 3) ** 0.5, 4) if len(rewards) > 1 else None,
@@ -46,7 +48,8 @@ def plot(curves: dict[str, dict[str, Any]], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     for label, c in curves.items():
-        ax.plot(range(c["steps"]), c["reward_mean"], marker="o", label=f"{label} (trend {c['trend']:+.3f})")
+        rewards = [float("nan") if r is None else r for r in c["reward_mean"]]  # None: nothing scored
+        ax.plot(range(c["steps"]), rewards, marker="o", label=f"{label} (trend {c['trend']:+.3f})")
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_title("Reward per step of the default job (jobs/configs/learn.yaml)")

@@ -94,7 +94,7 @@ def summarize(
         "version_at_end": version_at_end,
         "executions": len(outcomes),
         "valid": len(scored),
-        "reward_mean": statistics.fmean(scored) if scored else 0.0,
+        "reward_mean": statistics.fmean(scored) if scored else None,  # None: no execution scored
         "pass_rate": sum(r >= threshold for r in scored) / len(scored) if scored else 0.0,
         "tasks": {
             task: {
@@ -215,9 +215,14 @@ class EvalRunner:
         return self.poll(version, timeout_s=timeout_s)
 
 
+def reward_text(reward: float | None, digits: int = 3) -> str:
+    """A mean reward for people: `n/a` when no execution was scored."""
+    return "n/a" if reward is None else f"{reward:.{digits}f}"
+
+
 def format_eval(row: dict[str, Any]) -> str:
     tasks = ", ".join(f"{t} {f['reward']:.3f}" for t, f in row["tasks"].items())
     return (
-        f"eval of step {row['step']} (v{row['version']}): reward {row['reward_mean']:.3f}, pass rate "
+        f"eval of step {row['step']} (v{row['version']}): reward {reward_text(row['reward_mean'])}, pass rate "
         f"{row['pass_rate']:.2f} over {row['valid']}/{row['executions']} scored; per task: {tasks}"
     )

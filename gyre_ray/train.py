@@ -23,7 +23,7 @@ from typing import Any
 from gyre_ray.checkpoint import latest as latest_checkpoint
 from gyre_ray.checkpoint import load_state, require_latest, trainer_dir
 from gyre_ray.config import GyreConfig, load_config
-from gyre_ray.evaluation import EvalRunner, eval_due, format_eval, read_eval, split_tasks
+from gyre_ray.evaluation import EvalRunner, eval_due, format_eval, read_eval, reward_text, split_tasks
 from gyre_ray.resume import merge_segments, prepare_resume, segment_offset, shift
 
 
@@ -330,7 +330,7 @@ def _progress_note(snapshot: dict[str, Any]) -> str:
 def format_step(m: dict[str, Any]) -> str:
     text = (
         f"{m['valid']}/{m['executions']} executions scored (timeouts {m['timed_out']}), "
-        f"reward {m['reward_mean']:.3f}{_task_rewards(m)}, {m['calls']} model calls, paths {m['paths_selected']}/{m['paths_total']} kept, "
+        f"reward {reward_text(m['reward_mean'])}{_task_rewards(m)}{_dropped(m)}, {m['calls']} model calls, paths {m['paths_selected']}/{m['paths_total']} kept, "
         f"tokens {m['tokens_expanded_all']} expanded -> {m['tokens_packed_selected']} packed, "
         f"{m['loss_tokens']} loss tokens"
     )
@@ -358,21 +358,33 @@ def format_step(m: dict[str, Any]) -> str:
     return text
 
 
+def scored_rewards(steps: list[dict[str, Any]]) -> list[float]:
+    """The mean rewards of the steps that scored at least one execution (a step whose every execution
+    was dropped, e.g. a harness that could not start, has no reward: it is not a reward of 0)."""
+    return [float(m["reward_mean"]) for m in steps if m.get("reward_mean") is not None]
+
+
+def _dropped(m: dict[str, Any]) -> str:
+    reasons = m.get("drop_reasons") or {}
+    return f" [dropped: {', '.join(f'{n} {why}' for why, n in reasons.items())}]" if reasons else ""
+
+
 def _task_rewards(m: dict[str, Any]) -> str:
     by_task = m.get("reward_by_task") or {}
     return f" ({', '.join(f'{t} {r:.3f}' for t, r in by_task.items())})" if by_task else ""
 
 
 def reward_trend(steps: list[dict[str, Any]], window: int = 3) -> str:
-    """Mean reward of the first `window` steps vs the last `window`, and every step's mean reward."""
-    rewards = [float(m["reward_mean"]) for m in steps]
+    """Mean reward of the first `window` scored steps vs the last `window`, and every step's mean reward
+    (`n/a`: a step that scored no execution, left out of the trend)."""
+    rewards = scored_rewards(steps)
     if not rewards:
-        return "reward trend: no steps"
+        return "reward trend: no scored steps"
     k = min(window, len(rewards))
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     return (
         f"reward trend: first {k} step(s) {first:.3f} -> last {k} step(s) {last:.3f} ({last - first:+.3f}); "
-        f"per step {' '.join(f'{r:.2f}' for r in rewards)}"
+        f"per step {' '.join(reward_text(m.get('reward_mean'), 2) for m in steps)}"
     )
 
 

@@ -64,6 +64,17 @@ def test_report_writes_every_picture_and_a_page(tmp_path: Path) -> None:
     assert all(f'src="{n}"' in page for n in names) and page.count("<tr>") == 3
 
 
+def test_a_step_without_reward_is_a_gap_not_a_zero(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows.append({**rows[1], "step": 2, "reward_mean": None, "valid": 0})  # every execution dropped
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    (run / "eval.jsonl").write_text(json.dumps({"step": 0, "reward_mean": None, "pass_rate": 0.0, "tasks": {}}))
+    index = write_report(run)
+    assert (index.parent / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert index.read_text().count("<tr>") == 4
+
+
 def test_a_run_without_evaluation_still_gets_its_evaluation_picture(tmp_path: Path) -> None:
     index = write_report(_run_dir(tmp_path))  # no eval.jsonl: run.eval_every=0
     assert (index.parent / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

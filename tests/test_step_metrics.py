@@ -15,7 +15,7 @@ from gyre_ray.algo.gspo import behaviour_sums
 from gyre_ray.envs.base import get_task_set
 from gyre_ray.envs.words import WORD_POOL, word_share_evaluator
 from gyre_ray.runtime.recorder import policy_metrics, rewards_by_task
-from gyre_ray.train import reward_trend
+from gyre_ray.train import format_step, reward_trend, scored_rewards
 
 
 def test_behaviour_sums_on_and_off_policy() -> None:
@@ -45,6 +45,23 @@ def test_rewards_by_task_and_trend() -> None:
     assert "first 3 step(s) 0.250 -> last 3 step(s) 0.500 (+0.250)" in line
     assert line.endswith("per step 0.20 0.30 0.25 0.40 0.50 0.60")
     assert "first 1 step(s) 0.200" in reward_trend(steps[:1])
+
+
+def test_a_step_that_scored_nothing_has_no_reward_and_says_why() -> None:
+    """A step whose every execution was dropped (a harness that could not start) is not a reward of 0:
+    the trend leaves it out, the step line says n/a and why."""
+    steps = [{"reward_mean": r} for r in (0.2, 0.3, None, 0.25, 0.4, 0.5, 0.6)]
+    assert scored_rewards(steps) == [0.2, 0.3, 0.25, 0.4, 0.5, 0.6]
+    line = reward_trend(steps)
+    assert "first 3 step(s) 0.250 -> last 3 step(s) 0.500 (+0.250)" in line
+    assert line.endswith("per step 0.20 0.30 n/a 0.25 0.40 0.50 0.60")
+    assert reward_trend([{"reward_mean": None}]) == "reward trend: no scored steps"
+    empty = {
+        "valid": 0, "executions": 16, "timed_out": 0, "reward_mean": None, "calls": 0, "paths_selected": 0,
+        "paths_total": 0, "tokens_expanded_all": 0, "tokens_packed_selected": 0, "loss_tokens": 0,
+        "drop_reasons": {"no model calls": 16},
+    }  # fmt: skip
+    assert "0/16 executions scored (timeouts 0), reward n/a [dropped: 16 no model calls]" in format_step(empty)
 
 
 @pytest.mark.parametrize(

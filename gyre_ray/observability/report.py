@@ -30,6 +30,10 @@ class ReportError(ValueError):
     """The folder is not a run folder (or lacks what the report needs); the message says what is missing."""
 
 
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else float(value)
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -84,7 +88,8 @@ def plot_reward(steps: list[dict[str, Any]], trace: list[dict[str, Any]], path: 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     xs = [m["step"] for m in steps]
-    ax.plot(xs, [m.get("reward_mean", 0.0) for m in steps], "o-", color="black", lw=2, label="mean")
+    # a step that scored no execution has no reward (None): a gap in the line, not a drop to 0
+    ax.plot(xs, [_or_nan(m.get("reward_mean")) for m in steps], "o-", color="black", lw=2, label="mean")
     for task, series in sorted(rewards_by_task(trace).items()):
         ax.plot(list(series), list(series.values()), ".--", alpha=0.7, label=task)
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
@@ -159,7 +164,9 @@ def plot_eval(rounds: list[dict[str, Any]], path: Path) -> Path:
     rounds = sorted(rounds, key=lambda r: r["step"])
     if rounds:
         xs = [r["step"] for r in rounds]
-        ax.plot(xs, [r["reward_mean"] for r in rounds], "o-", color="black", lw=2, label="mean reward")
+        ax.plot(
+            xs, [_or_nan(r["reward_mean"]) for r in rounds], "o-", color="black", lw=2, label="mean reward"
+        )
         for task in sorted({t for r in rounds for t in r["tasks"]}):
             points = [(r["step"], r["tasks"][task]["reward"]) for r in rounds if task in r["tasks"]]
             ax.plot(*zip(*points, strict=True), ".--", alpha=0.7, label=task)

@@ -154,7 +154,7 @@ class RunRecorder:
             "executions": len(outcomes),
             "valid": sum(o.valid for o in outcomes),
             "timed_out": sum(o.timed_out for o in outcomes),
-            "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "reward_mean": statistics.fmean(rewards) if rewards else None,  # None: no execution scored
             "reward_by_task": rewards_by_task(
                 [
                     (sched.planned[e].task.task_id, o.reward)
