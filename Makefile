@@ -65,6 +65,7 @@ test: install install-harnesses
 # Its own temp root: another pytest starting meanwhile resets /tmp/pytest-of-<user> to mode 0700, which
 # locks the sandboxed harness uids out of the run folders under it (a whole step's executions fail).
 test-long: install
+	@mkdir -p .cache
 	$(PY) -m pytest -q -s -m long --timeout=3600 --basetemp=$(CURDIR)/.cache/test-long tests/test_learning_long.py
 
 lint: install
