@@ -1,6 +1,6 @@
 """The harnesses an execution can run: what command starts each, with which variables and HOME files.
 
-- `toy`: the built-in OpenAI-SDK agent (`gyre_ray.agents.toy_agent`).
+- `toy`: the built-in OpenAI-API agent (`gyre_ray.agents.toy_agent`).
 - `claude-code`: `claude -p PROMPT --dangerously-skip-permissions` against the proxy's Anthropic API.
   Claude Code refuses that flag as root; the sandbox runs it as an unprivileged uid of its own, and
   where it cannot (no root to create users) and the job is root, `IS_SANDBOX=1` is set instead.

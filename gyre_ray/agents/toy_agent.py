@@ -1,6 +1,8 @@
 """A built-in toy agent harness for the CPU demo: a real OpenAI-API client with a branching history.
 
-It talks to the proxy through the official `openai` SDK, like any black-box harness, and leaves the
+It talks to the proxy over the OpenAI chat-completions HTTP API (`gyre_ray.agents.chat_client`, the
+SDK's request and response shapes on the standard library: the SDK's import alone cost a CPU-second
+per harness process), like any black-box harness, and leaves the
 kinds of branches long-horizon harnesses leave: a multi-turn main conversation with a tool
 (write_file), a retried call, two sub-agents with their own system prompt, and a context compaction
 (a summary call, then a fresh main conversation seeded by the summary). Roles are declared with
@@ -133,7 +135,7 @@ def _tool_sleeps(workspace: Path) -> list[float]:
 
 
 def main() -> int:
-    from openai import OpenAI
+    from gyre_ray.agents.chat_client import ChatClient
 
     workspace = Path(os.environ.get("GYRE_WORKSPACE", "."))
     task = os.environ.get("GYRE_TASK_PROMPT", "")
@@ -143,7 +145,7 @@ def main() -> int:
     # Seeded by the execution's name (its workspace folder), not the path: the same execution of
     # another run folder (a resumed run, a rerun) samples the same way.
     seed = zlib.crc32(workspace.resolve().name.encode()) % 100_000
-    client = OpenAI(timeout=600.0, max_retries=0)
+    client = ChatClient(os.environ.get("OPENAI_BASE_URL", ""), os.environ.get("OPENAI_API_KEY", ""), 600.0)
     agent = ToyAgent(
         client,
         workspace,

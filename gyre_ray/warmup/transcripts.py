@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import random
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.agents.chat_client import Choice, Completion, Function, Message, ToolCall
 from gyre_ray.agents.toy_agent import ToyAgent
 from gyre_ray.envs.base import Task
 from gyre_ray.model.chat_template import tool_call_text
@@ -32,40 +33,8 @@ class Transcript:
     reply_ids: list[int]
 
 
-@dataclass
-class _Function:
-    name: str
-    arguments: str
-
-
-@dataclass
-class _ToolCall:
-    id: str
-    function: _Function
-    type: str = "function"
-
-    def model_dump(self) -> dict[str, Any]:
-        return {"id": self.id, "type": self.type, "function": vars(self.function)}
-
-
-@dataclass
-class _Message:
-    content: str
-    tool_calls: list[_ToolCall] = field(default_factory=list)
-
-
-@dataclass
-class _Choice:
-    message: _Message
-
-
-@dataclass
-class _Completion:
-    choices: list[_Choice]
-
-
 class ScriptedClient:
-    """Stands in for `openai.OpenAI` in the toy agent: records each call as a `Transcript`."""
+    """Stands in for the toy agent's HTTP client (`gyre_ray.agents.chat_client`): records each call."""
 
     def __init__(self, codec: ChatCodec, words: list[str], words_per_reply: int, rng: random.Random):
         self.codec = codec
@@ -76,20 +45,20 @@ class ScriptedClient:
         self.chat = self  # the agent calls client.chat.completions.create
         self.completions = self
 
-    def create(self, **request: Any) -> _Completion:
+    def create(self, **request: Any) -> Completion:
         body = {k: v for k, v in request.items() if k not in ("extra_headers", "seed") and v is not None}
         prompt = ChatCompletionRequest.model_validate(body).to_prompt()
         text = " ".join(self.rng.choice(self.words) for _ in range(self.words_per_reply))
         if prompt.tools:
-            call = _ToolCall(
-                f"call_{len(self.transcripts)}", _Function("write_file", json.dumps({"text": text}))
+            call = ToolCall(
+                f"call_{len(self.transcripts)}", Function("write_file", json.dumps({"text": text}))
             )
-            reply, message = tool_call_text(call.model_dump()), _Message("", [call])
+            reply, message = tool_call_text(call.model_dump()), Message("", [call])
         else:
-            reply, message = text, _Message(text)
+            reply, message = text, Message(text)
         stop = self.codec.tokenizer.im_end_id
         self.transcripts.append(Transcript(self.codec.prompt_ids(prompt), [*self.codec.encode(reply), stop]))
-        return _Completion([_Choice(message)])
+        return Completion([Choice(message)])
 
 
 def toy_transcripts(
