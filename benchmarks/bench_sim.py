@@ -5,7 +5,7 @@ Runs, per preset (all on the same draw of executions):
 - `async eta=0`        best fixed split (every split 1..7 trainers simulated), on-policy;
 - `elastic eta=0`      on-policy: compared with colocate and async eta=0 at matched staleness;
 - `async eta=1`        best fixed split with staleness bound 1;
-- `elastic eta=1`      best prefetch mode (eager / spare): compared with async eta=1.
+- `elastic eta=1`      best prefetch mode (eager, spare, trickle, paced): compared with async eta=1.
 Every run reports makespan, its lower bound (at the staleness it may use), utilisation, mean
 staleness and switches. The bound also says what speedup is possible at all: no schedule beats it,
 so elastic can be at most X / bound faster than a run X at the same staleness. Targets (reference

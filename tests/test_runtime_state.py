@@ -118,6 +118,8 @@ def test_colocate_trains_on_every_cell_once_the_rollout_is_over() -> None:
 def test_policies_are_built_from_the_scheduler_section_like_the_simulator() -> None:
     elastic = policy_from_section(SchedulerSection(policy="elastic", elastic_repay_factor=2.0), 2)
     assert isinstance(elastic, ElasticPolicy) and elastic.repay_factor == 2.0
+    paced = policy_from_section(SchedulerSection(elastic_prefetch="paced", elastic_pace_s=1200.0), 2)
+    assert isinstance(paced, ElasticPolicy) and (paced.prefetch, paced.pace_s) == ("paced", 1200.0)
     fixed = policy_from_section(SchedulerSection(policy="async"), 4)
     assert fixed.initial_roles(4) == [Role.TRAIN, Role.TRAIN, Role.ROLLOUT, Role.ROLLOUT]
 

@@ -172,6 +172,34 @@ def test_spare_prefetch_keeps_busy_trainers_training() -> None:
     assert of(Launch, spare) == [1, 1]
 
 
+def test_paced_prefetch_keeps_the_trainers_the_backlog_needs() -> None:
+    # batch 0: one execution in flight (launched at 0) on cell 4; 1,800 cell-s queued; batch 1 launchable
+    cells = [cell(i, T) for i in range(4)] + [cell(4)]
+    s = state(cells, hosted={4: 1}, pending=[(1, 16)], version=0, eta=1, ready=1800.0, unended=1, now=100.0)
+    eager = make_policy("elastic", prefetch="eager").decide(s)
+    paced = make_policy("elastic", prefetch="paced", pace_s=1000.0).decide(s)
+    assert sorted(of(SwitchToRollout, eager)) == [0, 1, 2, 3]  # the whole batch pulls every trainer back
+    # paced: 1,800 cell-s due 900 s from now need ceil(1800 / 900) = 2 trainers; the other two come back
+    assert sorted(of(SwitchToRollout, paced)) == [2, 3]
+    late = make_policy("elastic", prefetch="paced", pace_s=50.0).decide(s)
+    assert of(SwitchToRollout, late) == []  # the pace is past: everyone trains
+    with pytest.raises(ValueError, match="pace_s"):
+        make_policy("elastic", prefetch="paced", pace_s=0.0)
+
+
+def test_trickle_prefetch_fills_only_the_cells_the_current_batch_needs() -> None:
+    # one straggler of batch 0 on cell 1, cell 2 empty, nothing to train yet; batch 1 launchable
+    cells = [cell(0, T), cell(1), cell(2)]
+    s = state(cells, hosted={1: 1}, pending=[(1, 10)], version=0, eta=1, unended=1)
+    spare = make_policy("elastic", prefetch="spare").decide(s)
+    trickle = make_policy("elastic", prefetch="trickle").decide(s)
+    assert sorted(of(Launch, spare)) == [1, 1, 1, 2, 2, 2, 2]  # spare fills every rollout cell
+    assert of(Launch, trickle) == [1, 1, 1]  # trickle: only the straggler's cell, cell 2 stays free
+    # with nothing of the trainable batch in flight, trickle fills every cell like spare
+    s = state(cells, pending=[(1, 10)], version=0, eta=1, unended=0)
+    assert len(of(Launch, make_policy("elastic", prefetch="trickle").decide(s))) == 8
+
+
 def test_decide_is_pure() -> None:
     s = state([cell(0), cell(1), cell(2)], hosted={0: 1, 1: 1}, pending=[(0, 3), (1, 2)], eta=1, ready=1e3)
     for name in policy_names():

@@ -93,6 +93,8 @@ def check_invariants(result: SimResult, wl: SampledWorkload, n_cells: int, eta: 
         ("async", {"train_cells": 2}),
         ("elastic", {"prefetch": "eager"}),
         ("elastic", {"prefetch": "spare"}),
+        ("elastic", {"prefetch": "paced", "pace_s": 1800.0}),
+        ("elastic", {"prefetch": "trickle"}),
         ("elastic", {"repay_factor": 0.0}),
     ],
 )
@@ -133,7 +135,10 @@ def test_invariants_hold_on_random_workloads(
     for policy, knobs in [
         ("colocate", {}),
         ("async", {"train_cells": 1 + seed % (cells - 1)}),
-        ("elastic", {"prefetch": "eager" if seed % 2 else "spare"}),
+        (
+            "elastic",
+            {"prefetch": ("eager", "spare", "paced", "trickle")[seed % 4], "pace_s": 600.0 + seed % 3000},
+        ),
     ]:
         result = run_policy(wl, policy, cells, eta, costs, record=True, **knobs)
         check_invariants(result, wl, cells, 0 if policy == "colocate" else eta)

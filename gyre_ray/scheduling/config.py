@@ -23,10 +23,19 @@ class SchedulerSection(Section):
         description="elastic: switch a cell to training only if queued work per trainer >= this x "
         "(switch-in + switch-out time).",
     )
-    elastic_prefetch: Literal["eager", "spare"] = Field(
+    elastic_prefetch: Literal["eager", "spare", "paced", "trickle"] = Field(
         "eager",
         description="elastic, eta >= 1: 'eager' pulls trainers back as soon as a later batch may launch; "
-        "'spare' launches later batches only into room left on rollout cells and idle trainers.",
+        "'spare' launches later batches only into room left on rollout cells and idle trainers; "
+        "'paced' is eager but keeps enough trainers to clear the queued work by elastic_pace_s after "
+        "the trainable batch's latest launch; 'trickle' is spare but fills only the cells the trainable "
+        "batch's own executions need.",
+    )
+    elastic_pace_s: float = Field(
+        5400.0,
+        gt=0,
+        description="elastic, prefetch 'paced': seconds after the trainable batch's latest launch by which "
+        "its queued training should be done (the simulator tries 1 and 1.5 x the longest execution).",
     )
     async_train_cells: int = Field(
         0,

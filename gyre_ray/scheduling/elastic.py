@@ -23,10 +23,22 @@ treated, the `prefetch` knob:
 - `spare`: demand is in-flight executions plus pending ones of the current batch; prefetch
   executions only fill room left on cells that stay in rollout anyway, and only idle trainers
   (no trainable work queued) come back for them. Best when training is the long pole.
-With eta = 0 there is no prefetch and both modes decide the same.
+- `paced`: like eager, except that enough cells keep training the trainable batch to clear its
+  queued work by `pace_s` after its latest launch: ceil(backlog / (latest launch + pace_s - now))
+  cells, at least one while work is queued (all of them once that moment has passed). Launching
+  the next batch at once and training the current one at the pace its stragglers allow, instead
+  of stopping it (eager) or putting it first (spare).
+- `trickle`: spare, except that later batches only fill room inside the cells the trainable
+  batch's own executions need (ceil of their demand over a cell's capacity), so a batch's
+  stragglers keep one cell busy with the next batch's launches instead of holding it near empty,
+  and cells the current batch no longer needs can go to training. While the trainable batch has
+  nothing in flight, later batches fill every rollout cell as in spare.
+With eta = 0 there is no prefetch and the modes decide the same.
 """
 
 from __future__ import annotations
+
+import math
 
 from gyre_ray.scheduling.base import (
     EPS,
@@ -45,7 +57,7 @@ from gyre_ray.scheduling.state import (
     SwitchToTrain,
 )
 
-PREFETCH_MODES = ("eager", "spare")
+PREFETCH_MODES = ("eager", "spare", "paced", "trickle")
 
 
 @register_policy
@@ -54,13 +66,16 @@ class ElasticPolicy(Policy):
 
     name = "elastic"
 
-    def __init__(self, repay_factor: float = 1.0, prefetch: str = "eager") -> None:
+    def __init__(self, repay_factor: float = 1.0, prefetch: str = "eager", pace_s: float = 5400.0) -> None:
         if repay_factor < 0:
             raise ValueError(f"elastic policy: repay_factor must be >= 0, got {repay_factor}")
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"elastic policy: prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
+        if pace_s <= 0:
+            raise ValueError(f"elastic policy: pace_s must be > 0, got {pace_s}")
         self.repay_factor = repay_factor
         self.prefetch = prefetch
+        self.pace_s = pace_s
 
     def decide(self, state: SchedState) -> list[Action]:
         if state.policy_version >= state.steps_total:
@@ -71,24 +86,47 @@ class ElasticPolicy(Policy):
         urgent = in_flight + state.launchable_demand(max_lag=0)
         everything = in_flight + state.launchable_demand()
         actions: list[Action] = []
-        demand = everything if self.prefetch == "eager" else urgent
+        holds_back = self.prefetch in ("spare", "trickle")  # later batches wait for room left over
+        if self.prefetch == "eager":
+            demand = everything
+        elif holds_back:
+            demand = urgent
+        else:
+            demand = min(everything, max(urgent, self._rollout_room_at_pace(state)))
         deficit = demand - capacity
         if deficit > EPS:
             actions.extend(self._return_cells(state, deficit))
         elif everything - capacity > EPS and state.ready_work_s <= EPS:
-            # spare mode: trainers with nothing to train come back to launch prefetch executions
+            # trainers with nothing to train come back to launch prefetch executions
             actions.extend(self._return_cells(state, everything - capacity, idle_only=True))
         returning = bool(actions)
         placed: dict[int, list[float]] = {}
-        actions.extend(
-            place_pending(state, free, max_lag=None if self.prefetch == "eager" else 0, placed=placed)
-        )
+        actions.extend(place_pending(state, free, max_lag=0 if holds_back else None, placed=placed))
         if deficit <= EPS and not returning:
             actions.extend(self._water_level(state, free, capacity, demand, placed))
-        if self.prefetch == "spare":
+        if holds_back:
             launched = {a.exec_id for a in actions if isinstance(a, Launch)}
-            actions.extend(place_pending(state, free, skip=launched))
+            room = _trickle_room(state, free, placed) if self.prefetch == "trickle" else free
+            actions.extend(place_pending(state, room, skip=launched))
         return actions
+
+    def _rollout_room_at_pace(self, state: SchedState) -> float:
+        """`paced`: rollout capacity left once enough cells train to clear the backlog at the pace."""
+        v = state.policy_version
+        launches = [e.launched_at for e in state.in_flight.values() if e.batch == v]
+        if state.pending_demand.get(v, 0.0) > EPS:
+            launches.append(state.now)  # the batch's own pending executions launch now
+        left_s = max(launches, default=-math.inf) + self.pace_s - state.now
+        backlog = state.ready_work_s + sum(
+            max(0.0, c.micro_step_until - state.now) for c in state.cells if c.micro_step_until is not None
+        )
+        total = sum(c.rollout_capacity for c in state.cells)
+        if backlog <= EPS:
+            return total
+        if left_s <= EPS:
+            return 0.0
+        trainers = min(len(state.cells), math.ceil(backlog / left_s - EPS))
+        return total * (1.0 - trainers / len(state.cells))
 
     @staticmethod
     def _return_cells(state: SchedState, deficit: float, idle_only: bool = False) -> list[Action]:
@@ -182,3 +220,23 @@ def _migrate_into(
     for cell_id, items in plan.items():
         moved_in.setdefault(cell_id, []).extend(items)
     return True
+
+
+def _trickle_room(
+    state: SchedState, free: dict[int, float], placed: dict[int, list[float]]
+) -> dict[int, float]:
+    """`trickle`: room for later batches only inside the cells the trainable batch needs anyway."""
+    v = state.policy_version
+    current = sum(e.demand for e in state.in_flight.values() if e.batch <= v)
+    current += sum(sum(items) for items in placed.values()) + state.queued_demand
+    if current <= EPS:
+        return free
+    per_cell = max(c.rollout_capacity for c in state.cells)
+    load = sum(c.load for c in state.cells) + sum(sum(items) for items in placed.values())
+    allowed = math.ceil(current / per_cell - EPS) * per_cell - load
+    room: dict[int, float] = {}
+    for cell_id in sorted(free, key=lambda c: (free[c], c)):  # fullest first: they stay anyway
+        take = min(free[cell_id], max(0.0, allowed))
+        room[cell_id] = take
+        allowed -= take
+    return room

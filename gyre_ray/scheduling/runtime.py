@@ -232,7 +232,10 @@ def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
     """The policy object the simulator would build from the same `scheduler` section, for `num_cells` cells."""
     if section.policy == "elastic":
         return make_policy(
-            "elastic", repay_factor=section.elastic_repay_factor, prefetch=section.elastic_prefetch
+            "elastic",
+            repay_factor=section.elastic_repay_factor,
+            prefetch=section.elastic_prefetch,
+            pace_s=section.elastic_pace_s,
         )
     if section.policy == "async":
         return make_policy("async", train_cells=section.async_split(num_cells))

@@ -120,6 +120,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
             async_train_cells=sched.async_train_cells,
             repay_factor=sched.elastic_repay_factor,
             prefetch=sched.elastic_prefetch,
+            pace_s=sched.elastic_pace_s if sched.elastic_prefetch == "paced" else None,
         )
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))
@@ -161,7 +162,15 @@ def _replay_command(args: argparse.Namespace) -> int:
     scheduler = load_config(args.config, args.overrides).scheduler
     split = scheduler.async_train_cells or None
     try:
-        report = predict_run(run_dir, args.cells, args.staleness, policies, split, scheduler.elastic_prefetch)
+        report = predict_run(
+            run_dir,
+            args.cells,
+            args.staleness,
+            policies,
+            split,
+            scheduler.elastic_prefetch,
+            scheduler.elastic_pace_s,
+        )
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))
     except SimulationError as exc:

@@ -156,10 +156,12 @@ def predict_run(
     policies: list[str] | None = None,
     async_train_cells: int | None = None,
     prefetch: str = "eager",
+    pace_s: float | None = None,
 ) -> dict[str, Any]:
     """Simulate the recorded run (its cells, policy, staleness and split unless given) and compare.
 
-    `prefetch`: the elastic prefetch mode the run used (`scheduler.elastic_prefetch`).
+    `prefetch`, `pace_s`: the elastic prefetch mode and pace the run used (`scheduler.elastic_prefetch`,
+    `scheduler.elastic_pace_s`).
 
     Returns `{"run_dir", "cells", "steps", "staleness", "measured_makespan_s", "policies": {NAME:
     {"predicted_makespan_s", "predicted_over_measured", "lower_bound_s", "switches", "knobs"}}}`;
@@ -174,7 +176,15 @@ def predict_run(
     split = async_train_cells or costs.async_train_cells or max(1, cells // 2)
     wl = run_workload(run_dir, cells, costs)
     results = simulate(
-        wl, policies, cells, staleness, costs.sim, tune=False, async_train_cells=split, prefetch=prefetch
+        wl,
+        policies,
+        cells,
+        staleness,
+        costs.sim,
+        tune=False,
+        async_train_cells=split,
+        prefetch=prefetch,
+        pace_s=pace_s,
     )
     same_run = cells == costs.cells and staleness == costs.staleness
     rows = {}

@@ -3,9 +3,10 @@
 With `tune=True` each policy gets its best knob on the very workload it is measured on:
 `async` its best fixed split (every split 1 .. C-1 trainers is simulated; one is cut short only
 once its clock passes the best makespan found so far, so it could not have won), `elastic` its best
-prefetch mode (eager or spare; they differ only when eta >= 1). The sweeps are returned in
-`knobs`. Each policy's bound uses the staleness it may exploit: colocate is on-policy whatever
-eta is, so its bound uses eta = 0.
+prefetch setting (eager, spare, trickle, and paced at 1 and 1.5 x the workload's longest
+execution; they differ only when eta >= 1). The sweeps are returned in `knobs`. Each policy's
+bound uses the staleness it may exploit: colocate is on-policy whatever eta is, so its bound uses
+eta = 0.
 """
 
 from __future__ import annotations
@@ -120,22 +121,49 @@ def best_elastic(
     record: bool = False,
     repay_factor: float = 1.0,
     prefetch: str | None = None,
+    pace_s: float | None = None,
 ) -> SimResult:
-    """`elastic` with `prefetch` as given, or (None) the faster of its prefetch modes."""
+    """`elastic` with `prefetch` as given, or (None) the fastest of its prefetch modes.
+
+    `paced` is tried at `PACE_FACTORS` x the workload's longest execution unless `pace_s` is given.
+    """
     if prefetch is not None or staleness == 0:  # without prefetch the modes decide the same
         mode = prefetch or PREFETCH_MODES[0]
+        knobs = {"pace_s": pace_s or _pace_grid(wl)[0]} if mode == "paced" else {}
         return run_policy(
-            wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, prefetch=mode
+            wl,
+            "elastic",
+            n_cells,
+            staleness,
+            costs,
+            record,
+            repay_factor=repay_factor,
+            prefetch=mode,
+            **knobs,
         )
+    candidates: dict[str, dict[str, Any]] = {
+        mode: {"prefetch": mode} for mode in PREFETCH_MODES if mode != "paced"
+    }
+    for pace in [pace_s] if pace_s else _pace_grid(wl):
+        candidates[f"paced:{pace:g}"] = {"prefetch": "paced", "pace_s": pace}
     runs = {
-        mode: run_policy(
-            wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, prefetch=mode
+        label: run_policy(
+            wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, **knobs
         )
-        for mode in PREFETCH_MODES
+        for label, knobs in candidates.items()
     }
     best = min(runs.values(), key=lambda r: r.makespan_s)
-    best.knobs["sweep_makespan_s"] = {mode: round(r.makespan_s, 3) for mode, r in runs.items()}
+    best.knobs["sweep_makespan_s"] = {label: round(r.makespan_s, 3) for label, r in runs.items()}
     return best
+
+
+PACE_FACTORS = (1.0, 1.5)
+
+
+def _pace_grid(wl: SampledWorkload) -> list[float]:
+    """Paces `best_elastic` tries: multiples of the workload's longest execution (its timeout, in practice)."""
+    longest = float(wl.duration_s.max()) if wl.n_executions else 1.0
+    return [round(f * max(longest, 1.0), 3) for f in PACE_FACTORS]
 
 
 def simulate(
@@ -149,6 +177,7 @@ def simulate(
     async_train_cells: int = 0,
     repay_factor: float = 1.0,
     prefetch: str = "eager",
+    pace_s: float | None = None,
 ) -> dict[str, SimResult]:
     """Every named policy on the same workload, keyed by policy name (see the module docstring)."""
     known = policy_names()
@@ -162,7 +191,7 @@ def simulate(
             results[name] = best_async(wl, n_cells, staleness, costs, record, split)
         elif name == "elastic":
             mode = None if tune else prefetch
-            results[name] = best_elastic(wl, n_cells, staleness, costs, record, repay_factor, mode)
+            results[name] = best_elastic(wl, n_cells, staleness, costs, record, repay_factor, mode, pace_s)
         else:
             results[name] = run_policy(wl, name, n_cells, staleness, costs, record)
     return results
