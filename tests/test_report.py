@@ -69,7 +69,9 @@ def test_a_step_without_reward_is_a_gap_not_a_zero(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rows.append({**rows[1], "step": 2, "reward_mean": None, "valid": 0})  # every execution dropped
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
-    (run / "eval.jsonl").write_text(json.dumps({"step": 0, "reward_mean": None, "pass_rate": 0.0, "tasks": {}}))
+    (run / "eval.jsonl").write_text(
+        json.dumps({"step": 0, "reward_mean": None, "pass_rate": 0.0, "tasks": {}})
+    )
     index = write_report(run)
     assert (index.parent / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert index.read_text().count("<tr>") == 4

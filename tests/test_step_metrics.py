@@ -61,7 +61,9 @@ def test_a_step_that_scored_nothing_has_no_reward_and_says_why() -> None:
         "paths_total": 0, "tokens_expanded_all": 0, "tokens_packed_selected": 0, "loss_tokens": 0,
         "drop_reasons": {"no model calls": 16},
     }  # fmt: skip
-    assert "0/16 executions scored (timeouts 0), reward n/a [dropped: 16 no model calls]" in format_step(empty)
+    assert "0/16 executions scored (timeouts 0), reward n/a [dropped: 16 no model calls]" in format_step(
+        empty
+    )
 
 
 @pytest.mark.parametrize(
