@@ -59,6 +59,16 @@ def actor_nodes() -> dict[str, str]:
     return {a["Name"]: a["Address"]["NodeID"] for a in table.values() if a["Name"] and a["State"] == "ALIVE"}
 
 
+def wait_alive(names: tuple[str, ...], timeout_s: float = 120.0) -> dict[str, str]:
+    """`actor_nodes()` once every actor in `names` is alive (a loaded machine starts them late)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = actor_nodes()
+        if all(name in running for name in names) or time.monotonic() > deadline:
+            return running
+        time.sleep(0.5)
+
+
 def cell_nodes(rt: Runtime) -> dict[str, str]:
     from ray.util import placement_group_table
 
@@ -76,7 +86,7 @@ def test_cells_spread_over_nodes_and_a_lost_node_is_survived(cluster, tmp_path) 
         placed = cell_nodes(rt)
         assert len(set(placed.values())) == 3, placed  # SPREAD: one cell per node
         ray.get([rt.scheduler.progress.remote(), rt.store.stats.remote()], timeout=300)  # both are up
-        running = actor_nodes()
+        running = wait_alive(("scheduler", "store", "workers"))
         for name in ("scheduler", "store", "workers"):
             assert running[name] == head, (name, running)
         replicas = [n for n in running if n.startswith("SERVE_REPLICA::gyre-proxy")]
