@@ -4,7 +4,8 @@ A background thread runs the loop; asyncio callers (a Ray async actor, the proxy
 through commands that it executes between model steps (the safe points) and read its output through
 per-request event queues, so any number of coroutines may call it concurrently. Each iteration runs
 the queued commands (new requests, abort, export, weight update, release / resume), then one
-`Scheduler.step()` (prefill what fits, one decode step per batch), then delivers the events.
+`Scheduler.step()` (prefill what fits, one decode step per batch), then delivers the events. Woken
+from idle, the loop first lets a burst of concurrent submissions finish arriving (`_await_burst`).
 Requests are validated on the caller's side: bad input raises `EngineInputError` there and never
 reaches the loop.
 """
