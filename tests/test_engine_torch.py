@@ -11,6 +11,7 @@ from asyncio import run
 import pytest
 import torch
 
+from gyre_ray.engines import torch_engine
 from gyre_ray.engines.base import (
     ABORT_TOKEN_ID,
     EngineInputError,
@@ -281,3 +282,24 @@ def test_max_batch_size_bounds_the_running_requests(new_engine, model: Qwen3ForC
     run(scenario())
     assert max(r for r, _ in seen) == 2
     assert max(w for _, w in seen) >= 1
+
+
+def test_an_idle_engine_prefills_a_burst_of_requests_together(new_engine, monkeypatch) -> None:
+    """Requests that arrive a little apart (within the burst window) are prefilled in one forward and
+    decoded as one batch: one decode step per token after the first, not one more for an early row."""
+    monkeypatch.setattr(torch_engine, "BURST_WINDOW_S", 0.5)
+    engine = new_engine(stop_token_ids=[])
+    params = SamplingParams(temperature=0.0, max_new_tokens=5)
+
+    async def burst() -> list:
+        tasks = []
+        for i in range(4):
+            tasks.append(
+                asyncio.create_task(engine.generate(GenerateRequest(f"b{i}", token_prompt(6 + i), params)))
+            )
+            await asyncio.sleep(0.05)  # a slow submitter: the engine is awake before the next arrives
+        return await asyncio.gather(*tasks)
+
+    results = run(burst())
+    assert [len(r.output_ids) for r in results] == [5] * 4
+    assert engine.stats()["decode_steps"] == 4  # 5 tokens: the prefill's, then 4 steps of all rows

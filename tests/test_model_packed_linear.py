@@ -1,4 +1,4 @@
-"""Packed (fused, oneDNN-reordered) inference weights give the plain model's logits and follow weight changes."""
+"""Packed (fused; MKL- or oneDNN-packed) inference weights give the plain model's logits and follow weight changes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from gyre_ray.engines.testing import small_args
+from gyre_ray.model import packed_linear
 from gyre_ray.model.kv_cache import KVCache
 from gyre_ray.model.packed_linear import (
+    PackedLinear,
     free_packed_copies,
     pack_inference_weights,
     packing_supported,
@@ -92,3 +94,48 @@ def test_unsupported_dtype_keeps_plain_linear() -> None:
     assert getattr(model, "_packed", None) is None
     with torch.inference_mode():
         assert model(torch.tensor([[1, 2, 3]])).dtype == torch.float64
+
+
+def fused_group(seed: int = 0) -> tuple[list[torch.nn.Linear], torch.Tensor]:
+    """Three projections of one input (like q/k/v) and their stacked weight."""
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(48, n, bias=False) for n in (32, 16, 16)]
+    return layers, torch.cat([layer.weight.detach() for layer in layers])
+
+
+@pytest.mark.parametrize("mkl", [True, False])
+def test_packed_products_equal_f_linear_at_every_row_count(mkl: bool, monkeypatch) -> None:
+    """Rows below, at and above the packing's hint (the MKL packing is made for 4 rows here)."""
+    if not mkl:
+        monkeypatch.setattr(packed_linear, "_mkl_supported", lambda: False)
+    layers, merged = fused_group()
+    fused = PackedLinear(layers, rows_hint=4)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 5, 9, 40):
+            x = torch.randn(rows, 1, 48)
+            torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, merged), atol=1e-5, rtol=1e-5)
+            parts = fused.split(x)
+            assert [p.size(-1) for p in parts] == [32, 16, 16]
+            torch.testing.assert_close(torch.cat(parts, -1), fused(x))
+    assert (fused._mkl_shape is not None) == (mkl and packed_linear._mkl_supported())
+
+
+class WrongMKL:
+    """Test fake of torch.ops.mkl whose packed products are wrong (an MKL whose packing depended on rows)."""
+
+    def _mkl_reorder_linear_weight(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        return weight.clone()
+
+    def _mkl_linear(self, x, packed, shape, bias, rows) -> torch.Tensor:
+        return torch.nn.functional.linear(x, packed) + 1.0
+
+
+def test_a_packing_that_disagrees_with_f_linear_falls_back_to_onednn(monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear, "_MKL", WrongMKL())
+    monkeypatch.setattr(packed_linear, "_mkl_supported", lambda: True)
+    layers, merged = fused_group(1)
+    fused = PackedLinear(layers, rows_hint=4)
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, merged), atol=1e-5, rtol=1e-5)
+    assert fused._mkl_shape is None and fused._packed is not None  # oneDNN's packing serves it

@@ -4,7 +4,8 @@ A background thread runs the loop; asyncio callers (a Ray async actor, the proxy
 through commands that it executes between model steps (the safe points) and read its output through
 per-request event queues, so any number of coroutines may call it concurrently. Each iteration runs
 the queued commands (new requests, abort, export, weight update, release / resume), then one
-`Scheduler.step()` (prefill what fits, one decode step per batch), then delivers the events.
+`Scheduler.step()` (prefill what fits, one decode step per batch), then delivers the events. Woken
+from idle, the loop first lets a burst of concurrent submissions finish arriving (`_await_burst`).
 Requests are validated on the caller's side: bad input raises `EngineInputError` there and never
 reaches the loop.
 """
@@ -62,6 +63,7 @@ _COUNTERS = (
     "prefix_imports_stale",
 )
 _LIVE_ENGINES: weakref.WeakSet[TorchEngine] = weakref.WeakSet()  # shut down at exit
+BURST_WINDOW_S = 0.002  # an idle engine's wait for the next request of a burst (TorchEngine._await_burst)
 
 
 @atexit.register
@@ -325,8 +327,11 @@ class TorchEngine(RolloutEngine):
     def _run(self) -> None:
         while True:
             with self._wake:
+                idle = not self._can_step()
                 while not self._commands and not self._closed and not self._can_step():
                     self._wake.wait()
+                if idle and not self._closed:
+                    self._await_burst()
                 commands = list(self._commands)
                 self._commands.clear()
                 closing = self._closed
@@ -342,6 +347,19 @@ class TorchEngine(RolloutEngine):
                     self._scheduler.step()
                 self._busy_seconds += time.perf_counter() - started
             self._flush()
+
+    def _await_burst(self) -> None:
+        """Woken from idle (lock held): let a burst of requests finish arriving before the first step.
+
+        Callers submit concurrent requests one after another; an engine that started prefilling the
+        first alone would prefill the rest in a second forward (the weights read twice) and decode
+        the first one step ahead of them. Each arrival extends the wait by `BURST_WINDOW_S`."""
+        count = len(self._commands)
+        while count and not self._closed:
+            self._wake.wait(timeout=BURST_WINDOW_S)
+            if len(self._commands) == count:
+                return
+            count = len(self._commands)
 
     def _can_step(self) -> bool:
         return not self._released and self._weights.loaded and self._scheduler.has_work()

@@ -1,12 +1,20 @@
-"""Inference copies of the model's projection weights, fused and in oneDNN's blocked layout (CPU, float32).
+"""Inference copies of the model's projection weights, fused and packed for the CPU GEMM (float32).
 
 A decode step multiplies a few rows (one per running request) by every weight matrix; with torch's
-default `F.linear` (MKL) that shape runs at about two thirds of the rate oneDNN reaches on the same
-weights once they are reordered into its blocked layout (measured in `benchmarks/bench_vs_hf.py`'s
-profile, docs/engine.md). `pack_inference_weights(model)` builds, next to the parameters, one
-reordered copy per group of projections that read the same input: q/k/v (one GEMM instead of
-three), gate/up (one instead of two), o, down and the LM head. The model uses them only when no
-gradient is being recorded, so the trainer's autograd path never sees them.
+default `F.linear` that shape runs well under the rate the same GEMM reaches once its weight is
+packed ahead of time into the kernel's own layout (measured in `benchmarks/bench_vs_hf.py`'s
+profile, docs/engine.md). `pack_inference_weights(model)` builds, next to the parameters, one packed
+copy per group of projections that read the same input: q/k/v (one GEMM instead of three),
+gate/up (one instead of two), o, down and the LM head. The model uses them only when no gradient
+is being recorded, so the trainer's autograd path never sees them.
+
+Two packings exist: MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`), 3-7% faster than the other
+at 4 to 16 rows when packed for 16 (docs/engine.md), and oneDNN's blocked layout
+(`torch.ops.mkldnn._linear_pointwise`), used where torch lacks MKL. An MKL packing made for
+`rows_hint` rows has the same size and gives the same products at any row count (its speed is tuned
+for the hint), but torch's op only takes its packed path when the rows equal the count it is told,
+so each call passes its own row count; every packing is checked once against `F.linear` at another
+row count and falls back to oneDNN if it disagrees (an MKL whose packing did depend on the rows).
 
 The copies follow the parameters: each `PackedLinear` is built on first use and remembers the
 identity, storage and in-place version counter of its source weights; it rebuilds itself when any
@@ -14,7 +22,9 @@ of them moved (`load_state_dict`, an optimizer step on a shared model, `param.da
 parameter object), so a forward never reads stale weights.
 `unpack_inference_weights(model)` drops them (the engine does this when it frees its weights).
 Anything but a float32 CPU weight with oneDNN available keeps plain `F.linear`, and so does a call
-with a single row (a lone request's decode step), where MKL beats oneDNN by ~8% (docs/engine.md).
+with a single row (a lone request's decode step), where MKL's unpacked kernel is faster still, and,
+under the MKL packing, a call with more rows than the packing was made for (`rows_hint`: a prefill),
+where the packing is slower than the unpacked kernel (1.25x at 1,024 rows when packed for 16).
 """
 
 from __future__ import annotations
@@ -25,22 +35,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_OPS = torch.ops.mkldnn
+_ONEDNN = torch.ops.mkldnn
+_MKL = torch.ops.mkl
+_PROBE_ROWS = (3, 5)  # rows of the one-time check of an MKL packing: the first that is not the hint
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can run this weight: a float32 CPU tensor with torch built with oneDNN."""
+    """Whether this weight can be packed: a float32 CPU tensor with torch built with oneDNN."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
-        and hasattr(_OPS, "_reorder_linear_weight")
-        and hasattr(_OPS, "_linear_pointwise")
+        and hasattr(_ONEDNN, "_reorder_linear_weight")
+        and hasattr(_ONEDNN, "_linear_pointwise")
+    )
+
+
+def _mkl_supported() -> bool:
+    return (
+        torch.backends.mkl.is_available()
+        and hasattr(_MKL, "_mkl_reorder_linear_weight")
+        and hasattr(_MKL, "_mkl_linear")
     )
 
 
 class PackedLinear:
-    """`x @ cat(weights).T` through one oneDNN GEMM over a reordered copy of the `layers`' weights."""
+    """`x @ cat(weights).T` through one packed GEMM over a copy of the `layers`' weights."""
 
     def __init__(self, layers: Sequence[nn.Linear], rows_hint: int) -> None:
         self.layers = list(layers)  # read at each call: a replaced parameter is seen too
@@ -48,40 +68,64 @@ class PackedLinear:
         self.splits = [layer.weight.size(0) for layer in self.layers]
         self._signature: tuple[tuple[int, int, int], ...] | None = None
         self._packed: torch.Tensor | None = None
+        self._mkl_shape: torch.Tensor | None = None  # (N, K) stride-0 stand-in: MKL's op reads sizes only
 
     def _current(self) -> tuple[tuple[int, int, int], ...]:
         return tuple((id(w), w.data_ptr(), w._version) for w in (layer.weight for layer in self.layers))
 
     def _refresh(self) -> None:
-        self._packed = None  # free the old copy before building the new one
+        self._packed, self._mkl_shape = None, None  # free the old copy before building the new one
         with torch.no_grad():
             weights = [layer.weight.detach() for layer in self.layers]
             merged = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
-            self._packed = _OPS._reorder_linear_weight(merged, self.rows_hint)
+            if _mkl_supported():
+                self._packed = _MKL._mkl_reorder_linear_weight(merged, self.rows_hint)
+                self._mkl_shape = merged.new_zeros(1).expand(merged.shape)
+                rows = next(n for n in _PROBE_ROWS if n != self.rows_hint)
+                probe = torch.randn(rows, merged.size(1), generator=torch.Generator().manual_seed(0))
+                if not torch.allclose(self._gemm(probe), F.linear(probe, merged), rtol=1e-4, atol=1e-5):
+                    self._packed, self._mkl_shape = None, None
+            if self._packed is None:
+                self._packed = _ONEDNN._reorder_linear_weight(merged, self.rows_hint)
         self._signature = self._current()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.size(-1):  # one row (a lone decode): MKL's F.linear is faster there
-            weights = [layer.weight for layer in self.layers]
-            return (
-                F.linear(x, weights[0])
-                if len(weights) == 1
-                else torch.cat([F.linear(x, w) for w in weights], -1)
-            )
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._mkl_shape is None:
+            return _ONEDNN._linear_pointwise(x, self._packed, None, "none", [], "")
+        return _MKL._mkl_linear(x, self._packed, self._mkl_shape, None, x.numel() // x.size(-1))
+
+    def _unpacked(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes through plain `F.linear` on the parameters: a single row (a lone decode,
+        where MKL's unpacked kernel is faster), or more rows than an MKL packing was made for (a
+        prefill, where the packing made for a few rows is slower than the unpacked kernel)."""
+        rows = x.numel() // x.size(-1)
+        if rows == 1:
+            return True
         if self._packed is None or self._current() != self._signature:
             self._refresh()  # first use, or the parameters changed in place or were replaced
-        return _OPS._linear_pointwise(x, self._packed, None, "none", [], "")
+        return self._mkl_shape is not None and rows > self.rows_hint
+
+    def _plain(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(F.linear(x, layer.weight) for layer in self.layers)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._unpacked(x):
+            outputs = self._plain(x)
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        return self._gemm(x)
 
     def free(self) -> None:
-        self._packed, self._signature = None, None
+        self._packed, self._mkl_shape, self._signature = None, None, None
 
     def __getstate__(self) -> dict:
-        """Copies and pickles carry no oneDNN tensor; the copy packs its own weights on first use."""
-        return {**self.__dict__, "_packed": None, "_signature": None}
+        """Copies and pickles carry no packed tensor; the copy packs its own weights on first use."""
+        return {**self.__dict__, "_packed": None, "_mkl_shape": None, "_signature": None}
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The GEMM's output cut back into one tensor per source weight."""
-        return self(x).split(self.splits, dim=-1)
+        """One output per source weight (the packed GEMM's output cut back into them)."""
+        if self._unpacked(x):
+            return self._plain(x)
+        return self._gemm(x).split(self.splits, dim=-1)
 
 
 def packed(module: nn.Module, name: str) -> PackedLinear | None:
