@@ -8,7 +8,8 @@ objects the simulator drives), trains each batch's micro-batches as its groups e
 each update to every cell. Everything lands in a run folder: config, call records, metrics,
 summary, trace.jsonl, costs.json, workspaces, checkpoints/ (`gyre_ray.checkpoint`; `--resume RUN_DIR`
 continues from the newest, `gyre_ray.resume`), eval.jsonl (`run.eval_every`, `gyre_ray.evaluation`)
-and report/.
+and report/. On a persistent Ray cluster (RAY_ADDRESS) the run's actors outlive a driver that dies and
+`--attach RUN_DIR` takes the run over (`gyre_ray.live_run`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 from gyre_ray.checkpoint import latest as latest_checkpoint
 from gyre_ray.checkpoint import load_state, require_latest, trainer_dir
 from gyre_ray.config import GyreConfig, load_config
-from gyre_ray.evaluation import EvalRunner, eval_due, format_eval, read_eval, reward_text, split_tasks
-from gyre_ray.resume import merge_segments, prepare_resume, segment_offset, shift
+from gyre_ray.evaluation import format_eval, read_eval, reward_text, split_tasks
+from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,6 +40,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="continue this run folder from its newest checkpoint, with its config (overrides apply, "
         "e.g. run.steps=8 to go on to step 8)",
     )
+    parser.add_argument(
+        "--attach",
+        default=None,
+        metavar="RUN_DIR",
+        help="take over the run alive in this folder on the Ray cluster (RAY_ADDRESS) after its driver "
+        "died: stream its remaining steps and finish it (docs/faults.md)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5 run.steps=2")
     parser.set_defaults(handler=_train_command)
 
@@ -47,7 +55,11 @@ def _train_command(args: argparse.Namespace) -> int:
     from gyre_ray.checkpoint import CheckpointError
     from gyre_ray.config import ConfigError
 
-    if args.resume is None:
+    if args.attach is not None:
+        if args.resume is not None or args.config is not None or args.overrides:
+            raise ConfigError("--attach takes the live run as it is: no --resume, --config or overrides")
+        summary = train(resume_config(args.attach), attach=args.attach)
+    elif args.resume is None:
         summary = train(load_config(args.config, args.overrides))
     elif args.config is not None:
         raise ConfigError("--resume takes the run folder's own config.json; give overrides, not --config")
@@ -97,7 +109,12 @@ def new_run_dir(cfg: GyreConfig) -> Path:
 
 
 def train(
-    cfg: GyreConfig, *, resume: str | Path | None = None, engine_factory: Any = None, execute: Any = None
+    cfg: GyreConfig,
+    *,
+    resume: str | Path | None = None,
+    attach: str | Path | None = None,
+    engine_factory: Any = None,
+    execute: Any = None,
 ) -> dict[str, Any]:
     """Run `cfg.run.steps` RL steps end to end and return the run summary (also saved as summary.json).
 
@@ -106,22 +123,32 @@ def train(
     `cfg.run.steps`. If the core cell dies, the run restarts from its newest checkpoint by itself
     (`gyre_ray.core_restart`, at most `run.max_core_restarts` times). `engine_factory` / `execute`
     (an execution runner with `run_planned_execution`'s signature) are for tests and benchmarks.
+    `attach`: the folder of a run alive on the cluster (its config.json as `cfg`): finish it
+    (`gyre_ray.live_run`).
     """
+    from gyre_ray import live_run
     from gyre_ray.core_restart import CoreLost, describe, restart_row
     from gyre_ray.warmup.sft import prepare_policy
 
-    cfg = prepare_policy(cfg, runs_root(cfg.run.run_dir))  # the warm-up (a no-op when it is off)
-    split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
-    if resume is None:
-        run_dir, start = new_run_dir(cfg), None
+    live, restarts = None, []
+    if attach is not None:  # config.json holds the prepared policy already
+        run_dir = Path(attach).resolve()
+        live = live_run.attach(cfg, run_dir)
+        start, restarts = live.start, live.restarts
     else:
+        cfg = prepare_policy(cfg, runs_root(cfg.run.run_dir))  # the warm-up (a no-op when it is off)
+        split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
+    if resume is not None:
         run_dir = Path(resume).resolve()
+        live_run.refuse_if_alive(cfg, run_dir)
         start = _resume_folder(cfg, run_dir, require_latest(run_dir))
-    restarts: list[dict[str, Any]] = []
+    elif attach is None:
+        run_dir, start = new_run_dir(cfg), None
     while True:
         try:
-            return _run_segment(cfg, run_dir, start, restarts, engine_factory, execute)
+            return _run_segment(cfg, run_dir, start, restarts, (engine_factory, execute), live)
         except CoreLost as lost:
+            live = None
             limit = cfg.run.max_core_restarts
             if len(restarts) >= limit:
                 raise RuntimeError(
@@ -139,45 +166,58 @@ def _run_segment(
     run_dir: Path,
     start: tuple[Path | None, int, float] | None,
     restarts: list[dict[str, Any]],
-    engine_factory: Any,
-    execute: Any,
+    factories: tuple[Any, Any],
+    live: Any = None,
 ) -> dict[str, Any]:
     """One runtime's part of the run: from `start` ((checkpoint or None, first step, time offset);
-    None = a new run) to the end; raises `CoreLost` when the core cell dies on the way."""
+    None = a new run) to the end; raises `CoreLost` when the core cell dies on the way. `live`: the
+    `LiveRun` attached to (its runtime runs already); `factories`: (engine_factory, execute)."""
     import ray
 
+    from gyre_ray import live_run
     from gyre_ray.core_restart import CoreLost, core_loss, updates_done
+    from gyre_ray.drive import drive
     from gyre_ray.observability.metrics import MetricsLogger
     from gyre_ray.runtime.cluster import Runtime
     from gyre_ray.runtime.report import write_costs, write_trace
 
+    engine_factory, execute = factories
     checkpoint_in, first_step, offset = start or (None, 0, 0.0)
     cfg = cfg.model_copy(
         update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})}
     )
     print(f"gyre-ray: run folder {run_dir}", flush=True)
-    options = {"run_dir": str(run_dir), "execute": execute}
-    runtime = Runtime.start(cfg, engine_factory, scheduler_options=options)
-    print(
-        f"gyre-ray: proxy at {runtime.proxy.base_url}; {len(runtime.cells)} dual-role cells "
-        f"({runtime.core_id} is the core) in Ray namespace {runtime.namespace}; scheduler policy "
-        f"{cfg.scheduler.policy}, staleness bound {cfg.scheduler.staleness}",
-        flush=True,
-    )
     logger = MetricsLogger(
-        run_dir,
-        run_dir.name,
-        json.loads(cfg.model_dump_json()),
-        cfg.run.wandb_mode,
-        resume=start is not None,
-    )
+        run_dir, run_dir.name, json.loads(cfg.model_dump_json()), cfg.run.wandb_mode,
+        resume=start is not None or live is not None,
+    )  # fmt: skip
     try:
+        if live is None:
+            options = {"run_dir": str(run_dir), "execute": execute}
+            detached = live_run.persistent_cluster()
+            runtime = Runtime.start(cfg, engine_factory, scheduler_options=options, detached=detached)
+        else:
+            runtime = live.runtime
         try:
-            if checkpoint_in is not None:
+            print(
+                f"gyre-ray: proxy at {runtime.proxy.base_url}; {len(runtime.cells)} dual-role cells "
+                f"({runtime.core_id} is the core) in Ray namespace {runtime.namespace}; scheduler policy "
+                f"{cfg.scheduler.policy}, staleness bound {cfg.scheduler.staleness}",
+                flush=True,
+            )
+            if checkpoint_in is not None and live is None:
                 version = runtime.restore(checkpoint_in)
                 print(f"gyre-ray: resumed from {checkpoint_in} (step {first_step}, weights v{version})")
+            if live is not None:
+                print(
+                    f"gyre-ray: attached to the live run; {live.logged} of its step(s) logged before",
+                    flush=True,
+                )
+            elif runtime.detached:
+                live_run.record(run_dir, runtime, start, restarts)
             try:
-                result = _drive(runtime, cfg, logger, run_dir, (first_step, offset), execute)
+                logged = live.logged if live is not None else None
+                result = drive(runtime, cfg, logger, run_dir, (first_step, offset), execute, logged)
             except Exception as exc:
                 why = core_loss(runtime, exc)
                 if why is None:
@@ -193,6 +233,8 @@ def _run_segment(
             else:
                 checkpoint = ray.get(runtime.core.save.remote(str(run_dir / "checkpoint")), timeout=600)
         finally:
+            runtime.stop_actors()
+            live_run.forget(run_dir)  # before the slow rest: `ray job stop` SIGKILLs 3 s after its SIGTERM
             runtime.shutdown()
         summary = {
             "run_dir": str(run_dir),
@@ -204,6 +246,7 @@ def _run_segment(
             "switches": result["switches"],
             "eval": read_eval(run_dir),
             "core_restarts": restarts,
+            "scheduler_restarts": result.get("scheduler_restarts", []),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         report = _write_report(run_dir)
@@ -235,75 +278,6 @@ def _resume_folder(cfg: GyreConfig, run_dir: Path, checkpoint: Path | None) -> t
     return checkpoint, first_step, offset
 
 
-def _drive(
-    runtime: Any, cfg: GyreConfig, logger: Any, run_dir: Path, start: tuple[int, float], execute: Any
-) -> dict[str, Any]:
-    """`scheduler.run` to the end, streaming each step's metrics (and evaluation rounds) as they come.
-
-    `start`: (the step the run starts at, the seconds to add to its times: both 0 unless resumed)."""
-    import ray
-
-    from gyre_ray.observability.progress import Progress
-
-    scheduler, every = runtime.scheduler, cfg.run.eval_every
-    first_step, offset = start
-    evaluator = None
-    version = int(ray.get(runtime.core.trainer_version.remote(), timeout=60))
-    if every:
-        evaluator = EvalRunner(cfg, runtime.store, runtime.workers, runtime.proxy.base_url, run_dir, execute)
-        if eval_due(first_step, every, cfg.run.steps):
-            evaluator.start(first_step, version)
-    done = scheduler.run.remote(
-        cfg.run.steps, first_step=first_step, checkpoint_every=cfg.run.checkpoint_every
-    )
-    steps: list[dict[str, Any]] = []
-    with Progress("run", total=cfg.run.steps - first_step) as progress:
-        while True:
-            finished, _ = ray.wait([done], timeout=1.0)
-            for metrics in _patient_get(scheduler.metrics_since.remote(len(steps))):
-                steps.append(metrics)
-                metrics = shift(metrics, ("published_at_s",), offset)
-                logger.log(metrics["step"], metrics)
-                print(f"gyre-ray: step {metrics['step']}: {format_step(metrics)}", flush=True)
-                version = int(metrics["version"])
-                if evaluator is not None and eval_due(metrics["step"] + 1, every, cfg.run.steps):
-                    evaluator.start(metrics["step"] + 1, version)
-            if evaluator is not None:
-                _log_eval(logger, evaluator.poll(version))
-            snapshot = _patient_get(scheduler.progress.remote())
-            progress.update(len(steps), note=_progress_note(snapshot))
-            if finished:
-                break
-    result = ray.get(done)
-    if evaluator is not None:
-        _log_eval(logger, evaluator.finish(version))
-    return result
-
-
-def _patient_get(ref: Any, timeout_s: float = 60.0) -> Any:
-    """`ray.get(ref)`, waiting on past each `timeout_s` with a note: on a busy machine the scheduler
-    actor can take minutes to answer a poll, which is no reason to end the run. A dead actor still
-    raises at once (ActorDiedError)."""
-    import ray
-
-    waited = 0.0
-    while True:
-        try:
-            return ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            waited += timeout_s
-            print(
-                f"gyre-ray: the scheduler has not answered for {waited:.0f} s (busy machine?); waiting",
-                flush=True,
-            )
-
-
-def _log_eval(logger: Any, rows: list[dict[str, Any]]) -> None:
-    for row in rows:
-        logger.log_eval(row)
-        print(f"gyre-ray: {format_eval(row)}", flush=True)
-
-
 def _write_report(run_dir: Path) -> Path | None:
     """The run's pictures (`gyre-ray report`); a failure to draw never fails the run."""
     from gyre_ray.observability.report import write_report
@@ -315,16 +289,6 @@ def _write_report(run_dir: Path) -> Path | None:
         return None
     print(f"gyre-ray: report {index}", flush=True)
     return index
-
-
-def _progress_note(snapshot: dict[str, Any]) -> str:
-    if not snapshot.get("started"):
-        return "starting"
-    training = sum(p != "rollout" for p in snapshot["phases"].values())
-    return (
-        f"{snapshot['running']} executions running, {snapshot['ended']}/{snapshot['executions']} ended, "
-        f"{training}/{len(snapshot['phases'])} cells training or switching"
-    )
 
 
 def format_step(m: dict[str, Any]) -> str:

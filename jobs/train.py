@@ -2,7 +2,8 @@
 
 Under `ray job submit` the driver joins the running cluster (RAY_ADDRESS is set); run directly it
 starts a private local Ray, exactly like `gyre-ray train`. `python jobs/train.py --resume RUN_DIR
-[run.steps=N]` continues a run from its newest checkpoint.
+[run.steps=N]` continues a run from its newest checkpoint; `python jobs/train.py --attach RUN_DIR`
+takes over a run whose driver died on the cluster (docs/faults.md).
 """
 
 import sys

@@ -174,7 +174,9 @@ class Runtime:
     workers: Any = None
     owns_ray: bool = False
     app_name: str = "gyre-proxy"
+    detached: bool = False  # the actors outlive the driver (`gyre_ray.live_run`)
     _closed: bool = field(default=False, repr=False)
+    _actors_stopped: bool = field(default=False, repr=False)
 
     @property
     def cells(self) -> dict[str, Any]:
@@ -205,10 +207,13 @@ class Runtime:
         app_name: str = "gyre-proxy",
         timeout_s: float = 300.0,
         scheduler_options: dict[str, Any] | None = None,
+        detached: bool = False,
     ) -> Runtime:
         """Start the run's cluster. `dual_role=False`: rollout-only cells and no scheduler (`gyre-ray serve`).
 
-        `scheduler_options`: keyword arguments of `RunScheduler` (run_dir, execute, ...).
+        `scheduler_options`: keyword arguments of `RunScheduler` (run_dir, execute, ...). `detached`:
+        every actor (and the cells' placement group) outlives the driver; only on a cluster that
+        outlives it (`gyre_ray.live_run`), and `shutdown` is then the only thing that stops them.
         """
 
         from gyre_ray.proxy.launch import serve_proxy
@@ -216,20 +221,23 @@ class Runtime:
         owns_ray = connect_ray(config)
         namespace = namespace or f"gyre-{config.run.name}-{secrets.token_hex(3)}"
         trainer = trainer_factory_for(config) if dual_role else None
-        pool = store = proxy = None
+        pool = store = proxy = runtime = None
         try:
             settings, pool, store = start_backends(
-                config, engine_factory, trainer_factory=trainer, namespace=namespace, timeout_s=timeout_s
-            )
+                config, engine_factory, trainer_factory=trainer, namespace=namespace, timeout_s=timeout_s,
+                detached=detached,
+            )  # fmt: skip
             proxy = serve_proxy(config, settings, pool.cell_ids, app_name=app_name, timeout_s=timeout_s)
             runtime = cls(
-                config, namespace, pool, store, proxy, pool.cell_ids[0], owns_ray=owns_ray, app_name=app_name
-            )
+                config, namespace, pool, store, proxy, pool.cell_ids[0], owns_ray=owns_ray, app_name=app_name,
+                detached=detached,
+            )  # fmt: skip
             proxy.owner = runtime
             if dual_role and scheduler:
                 runtime.scheduler = runtime._start_scheduler(scheduler_options or {})
         except BaseException:
-            _stop(pool, store, proxy, [], owns_ray)
+            actors = [runtime.scheduler, runtime.workers] if runtime is not None else []
+            _stop(pool, store, proxy, actors, owns_ray)
             raise
         return runtime
 
@@ -238,8 +246,9 @@ class Runtime:
         from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
 
         head = self.config.cells.control_resources()
+        lifetime = "detached" if self.detached else None
         self.workers = RunWorkers.options(
-            name=WORKERS_NAME, namespace=self.namespace, resources=head
+            name=WORKERS_NAME, namespace=self.namespace, resources=head, lifetime=lifetime
         ).remote()
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
@@ -250,6 +259,7 @@ class Runtime:
             resources=head,
             max_restarts=restarts,
             max_task_retries=-1 if restarts else 0,
+            lifetime=lifetime,
         ).remote(
             self.config.model_dump(mode="json"),
             cell_names,
@@ -275,28 +285,38 @@ class Runtime:
         )
         return version
 
+    def stop_actors(self) -> None:
+        """Stop the scheduler, `workers`, the cells and the store (the quick part of `shutdown`)."""
+        if self._actors_stopped:
+            return
+        self._actors_stopped = True
+        _stop(self.pool, self.store, None, [self.scheduler, self.workers], owns_ray=False)
+
     def shutdown(self) -> None:
-        """Stop the scheduler, the proxy app, the cells and the store; stop Ray if this runtime started it."""
+        """Stop the actors (`stop_actors`), then the proxy app; stop Ray if this runtime started it."""
         if self._closed:
             return
         self._closed = True
-        _stop(self.pool, self.store, self.proxy, [self.scheduler, self.workers], self.owns_ray)
+        self.stop_actors()
+        _stop(None, None, self.proxy, [], self.owns_ray)
 
 
 def _stop(pool: Any, store: Any, proxy: Any, actors: list[Any], owns_ray: bool) -> None:
+    """The actors first, the Serve app (the slow part) last: `ray job stop` gives a driver 3 s
+    (RAY_JOB_STOP_WAIT_TIME_S) before its SIGKILL, which would leave detached actors running."""
     import ray
 
     for actor in actors:
         if actor is not None:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-    if proxy is not None:
-        proxy.close()
     if pool is not None:
         pool.shutdown()
     if store is not None:
         with contextlib.suppress(Exception):
             ray.kill(store, no_restart=True)
+    if proxy is not None:
+        proxy.close()
     if owns_ray:
         from ray import serve
 

@@ -38,6 +38,7 @@ from gyre_ray.runtime.live_metrics import LiveMetrics
 from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.recovery import CellRecovery
+from gyre_ray.runtime.run_keeper import RunKeeper, run_key
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
 from gyre_ray.runtime.workers import WORKERS_NAME
@@ -622,15 +623,28 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         )  # fmt: skip
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0, max_concurrency=8)
 class SchedulerActor:
-    """`RunScheduler` as the named Ray actor `scheduler` (threaded: progress answers while `run` works)."""
+    """`RunScheduler` as the named Ray actor `scheduler` (threaded: progress answers while `run` works).
+
+    The run's result stays here (`RunKeeper`) so a driver that attaches after the one that called
+    `run` died gets it from `join` (`gyre_ray.live_run`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.scheduler = RunScheduler(*args, **kwargs)
+        self.keeper = RunKeeper()
 
     def run(self, steps: int, **options: Any) -> dict[str, Any]:
-        return self.scheduler.run(steps, **options)
+        return self.keeper.run(run_key(steps, options), lambda: self.scheduler.run(steps, **options))
+
+    def join(self, steps: int, **options: Any) -> dict[str, Any]:
+        """The result of the run `run(steps, **options)` started here (waited for), or of that run
+        started now when this actor holds none (a restarted actor: it reattaches from the journal)."""
+        return self.keeper.join(run_key(steps, options), lambda: self.scheduler.run(steps, **options))
+
+    def cell_pool(self) -> Any:
+        """The run's `CellPool` as this actor holds it (restarted cells included), for a driver that attaches."""
+        return self.scheduler.pool
 
     def progress(self) -> dict[str, Any]:
         return self.scheduler.progress()
