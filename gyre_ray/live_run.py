@@ -196,6 +196,8 @@ def _write(run_dir: Path, info: dict[str, Any]) -> None:
     info = {**info, "driver": {"pid": os.getpid(), "host": socket.gethostname()}}
     path = run_dir / LIVE_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.chmod(0o600)
+    tmp.unlink(missing_ok=True)
+    # created owner-only: never readable by others, not even before a chmod
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+        handle.write(json.dumps(info, indent=2))
     tmp.replace(path)

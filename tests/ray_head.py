@@ -15,7 +15,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,13 +22,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-START_ATTEMPTS = 3
+from gyre_ray.proxy.launch import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+START_ATTEMPTS = 3  # a raylet on a loaded machine can miss Ray's start-up wait
 
 
 def cluster_env(address: str) -> dict[str, str]:
@@ -52,9 +47,7 @@ def ray_head(num_cpus: int = 4) -> Iterator[str]:
     env = cluster_env("")
     del env["RAY_ADDRESS"]
     try:
-        for attempt in range(
-            1, START_ATTEMPTS + 1
-        ):  # a raylet on a loaded machine can miss Ray's start-up wait
+        for attempt in range(1, START_ATTEMPTS + 1):
             started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
             if started.returncode == 0:
                 break
