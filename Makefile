@@ -59,7 +59,7 @@ run: install
 test: install install-harnesses
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -m "not gpu and not long" --timeout=600 -n $(TEST_WORKERS) --dist loadfile --durations=20
+	$(PY) -m pytest -q -m "not gpu and not long" --timeout=600 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
 
 # The learning runs (tests/test_learning_long.py: 2 seeds and an lr=0 control of the default job), minutes each.
 # Its own temp root: another pytest starting meanwhile resets /tmp/pytest-of-<user> to mode 0700, which
