@@ -295,3 +295,52 @@ def test_the_scheduler_journal_replays_only_its_own_run_and_stops_at_a_torn_line
     assert RunJournal.replay(tmp_path, {**header, "tag": "other-"}) is None  # another run's journal
     RunJournal.begin(tmp_path, header, 4).close()  # a new run starts the journal afresh
     assert RunJournal.replay(tmp_path, header).launched == {}
+
+
+def test_a_journal_names_the_call_to_resume_only_for_its_runtime_and_while_steps_are_left(tmp_path) -> None:
+    from gyre_ray.runtime.journal import RunJournal
+
+    call = {"namespace": "gyre-a", "steps": 2, "options": {"first_step": 0, "checkpoint_every": 1}}
+    journal = RunJournal.begin(tmp_path, {"steps": 2, "first_step": 0, "tag": ""}, 0, call)
+    assert RunJournal.unfinished_call(tmp_path, "gyre-a") == call
+    assert RunJournal.unfinished_call(tmp_path, "gyre-b") is None  # another runtime's run (a resumed segment)
+    journal.published(0, 1, {"step": 0})
+    assert RunJournal.unfinished_call(tmp_path, "gyre-a") == call
+    journal.published(1, 2, {"step": 1})
+    journal.close()
+    assert RunJournal.unfinished_call(tmp_path, "gyre-a") is None  # every step published: nothing to resume
+    RunJournal.begin(tmp_path, {"steps": 2, "first_step": 0, "tag": ""}, 0).close()  # a run with no call
+    assert RunJournal.unfinished_call(tmp_path, "gyre-a") is None
+
+
+def test_a_started_run_is_joined_by_a_run_call_with_its_key_and_a_failure_reaches_join() -> None:
+    import threading
+
+    from gyre_ray.runtime.run_keeper import RunKeeper
+
+    keeper, release, calls = RunKeeper(), threading.Event(), []
+
+    def body() -> str:
+        calls.append(1)
+        release.wait(10)
+        return "done"
+
+    keeper.start("k", body)
+    assert keeper.state() == {"key": "k", "running": True, "failed": False}
+    with pytest.raises(RuntimeError, match="another run is under way"):
+        keeper.start("other", body)
+    waiter = threading.Thread(target=lambda: calls.append(keeper.run("k", body)))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive() and calls == [1]  # the retried `run` waits for the started run
+    release.set()
+    waiter.join(10)
+    assert calls == [1, "done"] and keeper.state()["running"] is False  # body ran once
+    assert keeper.run("k", lambda: "again") == "again"  # a run ended: the same key starts anew
+
+    def fails() -> None:
+        raise ValueError("boom")
+
+    keeper.start("bad", fails)
+    with pytest.raises(ValueError, match="boom"):
+        keeper.join("bad", body, timeout_s=10)

@@ -6,6 +6,7 @@
     journal.published(batch, version, metrics)      # update `batch` is published at `version`
     journal.fault(event); journal.group_stats(stats) # a cell lost; a group's per-execution figures
     state = RunJournal.replay(run_dir, header)      # a restarted actor: None unless the same run
+    call = RunJournal.unfinished_call(run_dir, ns)  # a restarted actor with no driver: what to resume
 
 One JSON object per line in `<run_dir>/scheduler-journal.jsonl`, appended and flushed at each event
 (the scheduler's process dying loses nothing written; a torn last line is ignored on replay). The
@@ -47,14 +48,38 @@ class RunJournal:
         self._fh = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run's life)
 
     @classmethod
-    def begin(cls, run_dir: str | Path, header: dict[str, Any], version: int) -> RunJournal:
-        """A new run starting at policy `version`: truncate the journal and write its header."""
+    def begin(
+        cls, run_dir: str | Path, header: dict[str, Any], version: int, call: dict[str, Any] | None = None
+    ) -> RunJournal:
+        """A new run starting at policy `version`: truncate the journal and write its header, then
+        `call` (the actor's `run` call: {"namespace", "steps", "options"}) for `unfinished_call`."""
         path = Path(run_dir) / JOURNAL_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("", encoding="utf-8")
         journal = cls(path)
         journal._write({"run": header, "version": version})
+        if call is not None:
+            journal._write({"call": call})
         return journal
+
+    @staticmethod
+    def unfinished_call(run_dir: str | Path, namespace: str) -> dict[str, Any] | None:
+        """The `run` call of the journaled run when it belongs to the runtime in Ray namespace
+        `namespace` and has steps left to publish; else None (a restarted scheduler actor resumes
+        that call by itself: `SchedulerActor`)."""
+        header: dict[str, Any] | None = None
+        call: dict[str, Any] | None = None
+        published = -1
+        for event in json_lines(Path(run_dir) / JOURNAL_NAME):
+            if "run" in event:
+                header, call, published = event["run"], None, -1
+            elif "call" in event:
+                call = event["call"]
+            elif "published" in event:
+                published = max(published, int(event["published"]))
+        if header is None or call is None or call.get("namespace") != namespace:
+            return None
+        return call if published + 1 < int(header["steps"]) else None
 
     @classmethod
     def resume(cls, run_dir: str | Path) -> RunJournal:

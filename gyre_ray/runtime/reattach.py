@@ -1,8 +1,10 @@
 """What a restarted scheduler actor does: it picks up the run where the dead one left it.
 
 The scheduler actor runs with `max_restarts` (`run.max_scheduler_restarts`) and its calls with task
-retries, so when its process dies Ray starts a new one with the same arguments and sends it the
-driver's `run` call again. `SchedulerReattach` (a part of `RunScheduler`) then rebuilds the run's
+retries, so when its process dies Ray starts a new one with the same arguments. The new actor
+resumes the journaled `run` call by itself (`SchedulerActor`: the journal holds the call's
+arguments), so the run goes on with no driver alive; the driver's `run` call that Ray sends again,
+or an attaching driver's `join`, waits for that run. `SchedulerReattach` (a part of `RunScheduler`) then rebuilds the run's
 state from what outlived the old process:
 
 - the journal (`gyre_ray.runtime.journal`): which executions were launched and on which cell, which
@@ -51,7 +53,7 @@ class SchedulerReattach:
         if state is None:
             if restarted:  # died before this run's journal began: the cells may be mid-switch
                 self._reset_cells()
-            self.journal = RunJournal.begin(self.run_dir, header, version)
+            self.journal = RunJournal.begin(self.run_dir, header, version, getattr(self, "call", None))
             return None
         self.journal = RunJournal.resume(self.run_dir)
         return state

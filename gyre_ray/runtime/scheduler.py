@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,9 @@ from gyre_ray.agents.launch import PlannedExecution, plan_step, run_planned_exec
 from gyre_ray.agents.runner import Endpoint
 from gyre_ray.config import GyreConfig
 from gyre_ray.evaluation import split_tasks
+from gyre_ray.proxy.store import actor_was_restarted
 from gyre_ray.runtime.groups import GroupResult
+from gyre_ray.runtime.journal import RunJournal
 from gyre_ray.runtime.live_metrics import LiveMetrics
 from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
@@ -75,6 +78,8 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         pool: Any = None,
     ) -> None:
         self.cfg_json = cfg_json
+        self.namespace = namespace
+        self.call: dict[str, Any] | None = None  # the actor's `run` call, journaled (`SchedulerActor`)
         self.cfg = GyreConfig.model_validate(cfg_json)
         self.ids = list(cell_names)
         self.actors = [self._cell_actor(c, cell_names[c], namespace, pool) for c in self.ids]
@@ -628,19 +633,36 @@ class SchedulerActor:
     """`RunScheduler` as the named Ray actor `scheduler` (threaded: progress answers while `run` works).
 
     The run's result stays here (`RunKeeper`) so a driver that attaches after the one that called
-    `run` died gets it from `join` (`gyre_ray.live_run`)."""
+    `run` died gets it from `join` (`gyre_ray.live_run`). An actor Ray restarted mid-run resumes
+    that run at once by itself, from the call its journal holds (no driver need be alive: the cells,
+    the agents and the store go on being scheduled); a `run` or `join` with the same arguments then
+    waits for it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.scheduler = RunScheduler(*args, **kwargs)
         self.keeper = RunKeeper()
+        call = None
+        if actor_was_restarted():
+            call = RunJournal.unfinished_call(self.scheduler.run_dir, self.scheduler.namespace)
+        if call is not None:
+            steps, options = int(call["steps"]), dict(call["options"])
+            self.keeper.start(run_key(steps, options), self._body(steps, options))
+
+    def _body(self, steps: int, options: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+        def body() -> dict[str, Any]:
+            self.scheduler.call = {"namespace": self.scheduler.namespace, "steps": steps, "options": options}
+            return self.scheduler.run(steps, **options)
+
+        return body
 
     def run(self, steps: int, **options: Any) -> dict[str, Any]:
-        return self.keeper.run(run_key(steps, options), lambda: self.scheduler.run(steps, **options))
+        """Run `steps` (`RunScheduler.run`); waits for that very run instead when it is under way here."""
+        return self.keeper.run(run_key(steps, options), self._body(steps, options))
 
     def join(self, steps: int, **options: Any) -> dict[str, Any]:
         """The result of the run `run(steps, **options)` started here (waited for), or of that run
-        started now when this actor holds none (a restarted actor: it reattaches from the journal)."""
-        return self.keeper.join(run_key(steps, options), lambda: self.scheduler.run(steps, **options))
+        started now when this actor holds none (it reattaches from the journal)."""
+        return self.keeper.join(run_key(steps, options), self._body(steps, options))
 
     def cell_pool(self) -> Any:
         """The run's `CellPool` as this actor holds it (restarted cells included), for a driver that attaches."""
