@@ -292,6 +292,10 @@ def _write_report(run_dir: Path) -> Path | None:
 
 
 def format_step(m: dict[str, Any]) -> str:
+    if m.get("recovered_after_scheduler_restart"):  # the scheduler died between the update and its row
+        return (
+            "update applied; its metrics were lost with the scheduler actor that died before publishing them"
+        )
     text = (
         f"{m['valid']}/{m['executions']} executions scored (timeouts {m['timed_out']}), "
         f"reward {reward_text(m['reward_mean'])}{_task_rewards(m)}{_dropped(m)}, {m['calls']} model calls, paths {m['paths_selected']}/{m['paths_total']} kept, "

@@ -4,13 +4,14 @@
 through the proxy (each re-sending the conversation so far), sleeping `tool_s` between them, and
 retries a 429/503 after its Retry-After as a harness would (and a stream that ends in an error
 event, a proxy replica killed mid-call); it never gives up on a retryable error before `deadline_s`. Its outcome carries how many calls got a 200 (`calls`), so a test compares that
-with the records the store kept. Rewards differ within a group (the execution's index in it), so the
+with the records the store kept (also written to the workspace as `counted.json`). Rewards differ within a group (the execution's index in it), so the
 update has gradients to compare.
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ class CountingExecutor:
     tool_s: float = 0.3
     deadline_s: float = 300.0
     stream: bool = True  # streamed calls: tokens reach the proxy as generated (a dead cell's are kept)
+    seed: int | None = None  # seeded sampling: call j of an execution sends seed + 1000 * crc32(id) + j, so
+    # two runs of the same job draw the same tokens (what a fault-free vs faulty comparison needs)
 
     def __call__(
         self,
@@ -61,10 +64,13 @@ class CountingExecutor:
         ]
         headers = {"Authorization": f"Bearer {endpoint.api_key}"}
         ok = retried = 0
+        seed = None if self.seed is None else self.seed + zlib.crc32(execution_id.encode()) * 1000
         with httpx.Client(base_url=endpoint.base_url, headers=headers, timeout=120.0) as client:
             for _ in range(self.calls):
                 while True:
                     body = {"model": "policy", "messages": messages, "max_tokens": self.max_tokens}
+                    if seed is not None:
+                        body["seed"] = seed + ok
                     reply = client.post("/v1/chat/completions", json={**body, "stream": self.stream})
                     if reply.status_code in (429, 503) and time.monotonic() - started < self.deadline_s:
                         retried += 1
@@ -85,6 +91,8 @@ class CountingExecutor:
                 text = text or ""
                 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "tool: ok"}]
                 time.sleep(self.tool_s)
+        # what the harness saw, beside its work (a benchmark reads it when no trace row is left)
+        (Path(workspace) / "counted.json").write_text(f'{{"calls": {ok}, "retried": {retried}}}')
         index = int(execution_id.rsplit("-", 1)[-1])
         return ExecutionOutcome(
             execution_id=execution_id,

@@ -111,6 +111,31 @@ def test_seeded_sampling_does_not_depend_on_batch_companions(new_engine, model: 
     assert unseeded.output_ids != alone.output_ids  # the seed, not the prompt, fixed the draw
 
 
+def test_a_seeded_continuation_draws_the_tokens_the_unbroken_request_would_have(
+    new_engine, model: Qwen3ForCausalLM
+) -> None:
+    """A call whose cell died after k sampled tokens goes on elsewhere from prompt + those k tokens
+    with `draws_done=k` (what the proxy sends): the rest equals the unbroken request's."""
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=16, seed=77)
+    engine = new_engine(model)
+    whole = run(engine.generate(GenerateRequest("w", token_prompt(10), params)))
+    k = 6
+    head = whole.output_ids[:k]
+
+    def rest(draws_done: int) -> list[int]:
+        sampling = SamplingParams(
+            temperature=1.0, top_p=0.95, max_new_tokens=16 - k, seed=77, draws_done=draws_done
+        )
+        return run(
+            engine.generate(GenerateRequest(f"c{draws_done}", [*token_prompt(10), *head], sampling))
+        ).output_ids
+
+    assert rest(k) == whole.output_ids[k:]
+    assert rest(0) != whole.output_ids[k:]  # restarting the draws would change the continuation
+    with pytest.raises(EngineInputError, match="draws_done"):
+        SamplingParams(draws_done=-1).validate()
+
+
 def test_abort_returns_partial_output_and_ends_the_stream(new_engine, model: Qwen3ForCausalLM) -> None:
     engine = new_engine(model, max_batch_size=2)
     long = SamplingParams(temperature=0.0, max_new_tokens=400)

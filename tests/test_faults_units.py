@@ -70,6 +70,18 @@ class DyingCell(LocalCellClient):
         return await super().status()
 
 
+class RecordingCell(LocalCellClient):
+    """A live cell that keeps the requests it was sent."""
+
+    def __init__(self, inner: LocalCellClient) -> None:
+        super().__init__(inner.cell)
+        self.requests: list = []
+
+    def generate(self, request, stream: bool = True, *session):
+        self.requests.append(request)
+        return super().generate(request, stream, *session)
+
+
 def new_proxy(tmp_path):
     factory = ScriptedEngineFactory({"reply_length": 40, "token_delay_s": 0.002})
     return asyncio.run(build_local_proxy(CODEC, factory, tmp_path, section=SECTION))
@@ -104,6 +116,7 @@ def test_a_call_on_a_cell_that_dies_continues_elsewhere_from_its_tokens(tmp_path
 
     dying = DyingCell(proxy.service.cells["cell-0"], batches=batches)
     proxy.service.cells["cell-0"] = dying
+    survivor = proxy.service.cells["cell-1"] = RecordingCell(proxy.service.cells["cell-1"])
     hit = proxy.register_execution("hit")
     reply = asyncio.run(chat(proxy, hit["api_key"], stream))
     assert reply.status_code == 200, reply.text
@@ -115,6 +128,8 @@ def test_a_call_on_a_cell_that_dies_continues_elsewhere_from_its_tokens(tmp_path
         assert record.output_ids == reference.output_ids and "reprefills" not in record.meta
         return
     assert record.meta["reprefills"] == 1
+    (continued,) = survivor.requests  # a seeded call's generator skips the draws the dead cell made
+    assert continued.sampling.draws_done == len(continued.input_ids) - len(record.input_ids) >= batches
     out, ref = record.output_ids, reference.output_ids
     kept = next(k for k in range(len(out)) if out[k] != ref[k])  # tokens that came from the dead cell
     assert kept >= batches

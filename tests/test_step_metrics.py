@@ -64,6 +64,8 @@ def test_a_step_that_scored_nothing_has_no_reward_and_says_why() -> None:
     assert "0/16 executions scored (timeouts 0), reward n/a [dropped: 16 no model calls]" in format_step(
         empty
     )
+    recovered = {"step": 3, "recovered_after_scheduler_restart": True}  # all a restarted scheduler knows
+    assert "metrics were lost" in format_step(recovered)
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    # draws a seeded generator skips first: a call continued on another cell from its recorded output
+    # (its lost cell had drawn one number per sampled token) goes on drawing where it stopped
+    draws_done: int = 0
 
     def validate(self) -> None:
         """Raise EngineInputError naming the offending value."""
@@ -52,6 +55,8 @@ class SamplingParams:
             raise EngineInputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise EngineInputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.draws_done, bool) or not isinstance(self.draws_done, int) or self.draws_done < 0:
+            raise EngineInputError(f"draws_done must be an integer >= 0, got {self.draws_done!r}")
 
 
 @dataclass

@@ -16,12 +16,17 @@ from gyre_ray.engines.base import SamplingParams
 _SEED_SOURCE = random.SystemRandom()
 
 
-def make_generator(seed: int | None) -> tuple[torch.Generator, int]:
-    """A CPU generator seeded with `seed`, or with a fresh random seed when None; returns (gen, seed)."""
+def make_generator(seed: int | None, draws_done: int = 0) -> tuple[torch.Generator, int]:
+    """A CPU generator seeded with `seed`, or with a fresh random seed when None; returns (gen, seed).
+
+    A seeded generator is advanced past `draws_done` draws of `sample_rows` (one float64 each), so a
+    request continued from `draws_done` sampled tokens draws what the unbroken request would have."""
     if seed is None:
-        seed = _SEED_SOURCE.getrandbits(63)
+        seed, draws_done = _SEED_SOURCE.getrandbits(63), 0
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(seed))
+    for _ in range(draws_done):
+        torch.rand(1, generator=gen, dtype=torch.float64)
     return gen, int(seed)
 
 

@@ -205,7 +205,8 @@ class CallRun:
         left = self.sampling.max_new_tokens - generated
         if left < 1:
             return None
-        sampling = dataclasses.replace(self.sampling, max_new_tokens=left)
+        # a seeded call draws on where its lost cell stopped: the same tokens as an unbroken call
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=left, draws_done=generated)
         return GenerateRequest(self.rid, [*self.call.input_ids, *self.output_ids], sampling)
 
     async def _next_event(self, stream: AsyncIterator[Any]) -> Any:
