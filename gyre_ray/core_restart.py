@@ -7,7 +7,9 @@ folder from its newest complete checkpoint, the code path of `gyre-ray train --r
 (`gyre_ray.resume`), at most `run.max_core_restarts` times in a run. With no checkpoint yet the run
 starts again from step 0 in the same folder. Work lost: the updates done after that checkpoint (none
 with `run.checkpoint_every=1`, the step being checkpointed right as it is published) and the step in
-progress. Every restart is a row of the summary's `core_restarts`.
+progress. Every restart is a row of the summary's `core_restarts`. Before the runtime goes, the dead
+segment's execution rows are written to `trace.jsonl` (`keep_trace`), so the finished run's trace
+holds the steps before the checkpoint too.
 """
 
 from __future__ import annotations
@@ -80,3 +82,23 @@ def describe(row: dict[str, Any], limit: int) -> str:
         else "from the start of the run (no checkpoint yet)"
     )
     return f"gyre-ray: {row['why']} after {row['updates_done']} step(s); restarting the run {where}, {row['steps_lost']} finished step(s) lost; restart {row['restart']} of {limit}"
+
+
+def keep_trace(runtime: Any, run_dir: Path, first_step: int, offset: float) -> int:
+    """Write the dying segment's trace rows to `run_dir/trace.jsonl` after an earlier segment's rows
+    of steps < `first_step` (its own times moved by `offset`); returns the rows kept from it (0 when
+    the scheduler actor cannot say, e.g. it died too). The resumed segment keeps the rows of the
+    steps before its checkpoint (`gyre_ray.resume.merge_segments`)."""
+    import ray
+
+    from gyre_ray.resume import earlier_trace, shift
+    from gyre_ray.runtime.report import write_trace
+
+    try:
+        rows = ray.get(runtime.scheduler.trace_rows.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - the trace is a record of the run, never a reason to stop it
+        return 0
+    write_trace(
+        run_dir, earlier_trace(run_dir, first_step) + [shift(r, ("start", "end"), offset) for r in rows]
+    )
+    return len(rows)

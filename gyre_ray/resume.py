@@ -70,10 +70,15 @@ def earlier_steps(run_dir: str | Path, first_step: int) -> list[dict[str, Any]]:
     return [r for r in _read_jsonl(Path(run_dir) / "metrics.jsonl") if r["step"] < first_step]
 
 
+def earlier_trace(run_dir: str | Path, first_step: int) -> list[dict[str, Any]]:
+    """The trace rows of the steps before `first_step` (from trace.jsonl)."""
+    return [r for r in _read_jsonl(Path(run_dir) / "trace.jsonl") if r["step"] < first_step]
+
+
 def segment_offset(run_dir: str | Path, first_step: int) -> float:
     """Where the resumed segment's clock starts: the end of the earlier segment's last execution or span."""
     run_dir = Path(run_dir)
-    trace = [r for r in _read_jsonl(run_dir / "trace.jsonl") if r["step"] < first_step]
+    trace = earlier_trace(run_dir, first_step)
     spans = _summary(run_dir).get("spans", [])
     return max([r["end"] for r in trace] + [s[3] for s in spans], default=0.0)
 
@@ -96,7 +101,7 @@ def merge_segments(
     run_dir = Path(run_dir)
     before = _summary(run_dir)
     merged = dict(result)
-    merged["trace"] = [r for r in _read_jsonl(run_dir / "trace.jsonl") if r["step"] < first_step] + [
+    merged["trace"] = earlier_trace(run_dir, first_step) + [
         shift(r, ("start", "end"), offset) for r in result["trace"]
     ]
     merged["spans"] = [tuple(s) for s in before.get("spans", []) if s[3] <= offset] + [

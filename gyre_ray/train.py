@@ -175,7 +175,7 @@ def _run_segment(
     import ray
 
     from gyre_ray import live_run
-    from gyre_ray.core_restart import CoreLost, core_loss, updates_done
+    from gyre_ray.core_restart import CoreLost, core_loss, keep_trace, updates_done
     from gyre_ray.drive import drive
     from gyre_ray.observability.metrics import MetricsLogger
     from gyre_ray.runtime.cluster import Runtime
@@ -222,6 +222,7 @@ def _run_segment(
                 why = core_loss(runtime, exc)
                 if why is None:
                     raise
+                keep_trace(runtime, run_dir, first_step, offset)
                 raise CoreLost(why, updates_done(runtime, first_step)) from exc
             if start is not None:
                 result = merge_segments(run_dir, first_step, offset, result)

@@ -3,12 +3,13 @@
 The slow test runs the real job (local Ray, tiny model, 2 dual-role cells, toy harness, staleness 0,
 a checkpoint every step, 3 steps) in a thread, waits until the step-1 checkpoint is in the run folder,
 `ray.kill`s the core actor (`cell-0`) and checks that the same `train` call finishes all 3 steps in
-the same folder, each step's metrics once, with the restart in its summary. The fast tests check the
-restart rows without Ray (a checkpoint to resume from, and none yet).
+the same folder, each step's metrics and each execution's trace row once, with the restart in its
+summary. The fast tests check the restart rows without Ray (a checkpoint to resume from, and none yet).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import threading
@@ -132,6 +133,16 @@ def test_core_killed_after_a_checkpoint_the_run_restarts_and_finishes(capsys) ->
         assert checkpoint.load_state(final)["step"] == 3
         lines = (killed["run_dir"] / "metrics.jsonl").read_text().splitlines()
         assert len(lines) == 3, "each step's metrics once: the dead segment's later rows were set aside"
+        trace = [json.loads(line) for line in (killed["run_dir"] / "trace.jsonl").read_text().splitlines()]
+        assert sorted(r["step"] for r in trace) == [0, 0, 1, 1, 2, 2], (
+            "each execution once, the dead segment's too"
+        )
+        assert len({r["exec_id"] for r in trace}) == 6
+        resumed = row["resumed_from_step"]
+        before = max(r["end"] for r in trace if r["step"] < resumed)
+        assert before <= min(r["start"] for r in trace if r["step"] >= resumed), (
+            "the new segment's clock follows"
+        )
         assert "the core cell cell-0 died (" in out and "restarting the run from checkpoint" in out
     finally:
         shutil.rmtree(root, ignore_errors=True)

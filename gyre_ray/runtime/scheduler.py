@@ -679,6 +679,10 @@ class SchedulerActor:
         """Per-step metrics of the steps after the first `count`."""
         return list(self.scheduler.step_metrics[count:])
 
+    def trace_rows(self) -> list[dict[str, Any]]:
+        """The trace rows of the run so far (also after it failed): what a core restart keeps of it."""
+        return self.scheduler.recorder.trace(self.scheduler)
+
     def micro_batches(self, batch: int) -> list[Any]:
         """The micro-batches of step `batch` of the last run, in queue order (to check or replay an update)."""
         return ray.get([item.ref for item in self.scheduler.streams[batch].items])
