@@ -61,13 +61,12 @@ test: install install-harnesses
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -m "not gpu and not long" --timeout=600 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
 
-# The learning runs (tests/test_learning_long.py: 2 seeds and an lr=0 control of the default job), minutes each,
-# and the simulator's eta-1 cases at 3-7 cells (tests/test_sim_near_bound.py; 2 and 8 cells run in `make test`).
+# The learning runs (tests/test_learning_long.py: 2 seeds and an lr=0 control of the default job), minutes each.
 # Its own temp root: another pytest starting meanwhile resets /tmp/pytest-of-<user> to mode 0700, which
 # locks the sandboxed harness uids out of the run folders under it (a whole step's executions fail).
 test-long: install
 	@mkdir -p .cache
-	$(PY) -m pytest -q -s -m long --timeout=3600 --basetemp=$(CURDIR)/.cache/test-long tests/test_learning_long.py tests/test_sim_near_bound.py
+	$(PY) -m pytest -q -s -m long --timeout=3600 --basetemp=$(CURDIR)/.cache/test-long tests/test_learning_long.py
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

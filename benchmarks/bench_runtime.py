@@ -195,12 +195,12 @@ def main() -> int:
         print(f"{k}: {v}x")
     out = {
         "machine": {"cpus": os.cpu_count(), "note": "2-core machine shared with other jobs"},
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "runs_dir")},  # no machine paths
         "task_set": cfg.agents.task_set,
         "executor": executor.__dict__,
         "load_average_before": load_before,
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "runs_dir": str(runs_dir),
+        "runs_dir": runs_dir.name,  # the run's folder under --runs-dir
         "ratios": ratios,
         "runs": rows,
     }

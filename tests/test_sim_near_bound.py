@@ -2,10 +2,8 @@
 2 .. 8 cells (8 steps of the full presets, seed 0; the benchmark's sweep runs 12, see docs/scheduling.md).
 
 Cases that miss it are listed in MISSES and marked xfail(strict): if a change brings one within 5%,
-the test fails until it is taken off the list, so the list stays the truth. 42 cases (3 presets), 8 x
-1,024 executions each; eta 1 tries 5 prefetch settings per case (5-10 s each on an idle core, about
-1 s at eta 0). `make test` runs eta 0 everywhere and eta 1 at 2 and 8 cells (27 cases, about 70 s);
-the 15 eta-1 cases between are marked `long` (`make test-long` runs them, about 2 minutes).
+the test fails until it is taken off the list, so the list stays the truth. Slow: 112 simulations of
+8 x 1,024 executions (eta 1 tries 5 prefetch settings per case; about 6 minutes on 2 idle cores).
 """
 
 from __future__ import annotations
@@ -46,10 +44,10 @@ def cases() -> list:
     for name in PRESETS:
         for eta in (0, 1):
             for cells in range(2, 9):
-                marks = [pytest.mark.long] if eta == 1 and cells not in (2, 8) else []
+                marks = []
                 if (name, eta, cells) in MISSES:
                     reason = f"elastic at {MEASURED_MISSES[name, eta, cells]:.4f}x the bound (target 1.05x)"
-                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                    marks = [pytest.mark.xfail(strict=True, reason=reason)]
                 out.append(pytest.param(name, eta, cells, marks=marks, id=f"{name}-eta{eta}-{cells}cells"))
     return out
 
