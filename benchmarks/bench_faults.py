@@ -165,14 +165,15 @@ def run_job(steps: int, name: str, root: Path, injector: Injector | None) -> tup
         "steps_lost": sum(r["steps_lost"] for r in restarts),
         "core_restarts": [{k: r[k] for k in ("why", "resumed_from_step", "steps_lost")} for r in restarts],
         "scheduler_restarts": summary.get("scheduler_restarts", []),
-        **losses(run_dir, steps),
+        **losses(run_dir, steps * cfg.run.tasks_per_step * cfg.algo.group_size),
         "faults": injector.events if injector is not None else [],
     }
     return run_dir, figures
 
 
-def losses(run_dir: Path, steps: int) -> dict[str, int]:
-    """Executions lost, records lost and records whose answer the harness never saw, from the folder."""
+def losses(run_dir: Path, planned: int) -> dict[str, int]:
+    """Executions lost (of `planned`), records lost and records whose answer the harness never saw,
+    from the folder."""
     from gyre_ray.trajectory.records import read_jsonl
 
     ids = sorted(p.name for p in (run_dir / "workspaces").iterdir() if p.name.startswith("s"))
@@ -185,7 +186,6 @@ def losses(run_dir: Path, steps: int) -> dict[str, int]:
         lost += answered != CALLS
         records_lost += max(0, answered - records)
         unanswered += max(0, records - answered)
-    planned = steps * 4
     return {
         "executions": len(ids),
         "executions_lost": lost + max(0, planned - len(ids)),
@@ -195,7 +195,8 @@ def losses(run_dir: Path, steps: int) -> dict[str, int]:
 
 
 def same_tokens(run_dir: Path, reference: Path) -> dict[str, int]:
-    """Records of `run_dir` whose calls carry the reference run's tokens (call by call, in order)."""
+    """Records of `run_dir` whose prompt and output tokens equal one of the reference run's records of
+    the same execution, out of the reference's record count."""
     from gyre_ray.trajectory.records import read_jsonl
 
     same = total = 0
@@ -210,6 +211,8 @@ def same_tokens(run_dir: Path, reference: Path) -> dict[str, int]:
 
 def weight_gaps(run_dir: Path, reference: Path, steps: int) -> list[dict[str, float]]:
     """Per step: |w - w_ref| and that over the reference's update of the step (from its checkpoints)."""
+    from fault_workload import weight_distance
+
     from gyre_ray import checkpoint
     from gyre_ray.model.checkpoint import read_hf_weights
 
@@ -221,10 +224,10 @@ def weight_gaps(run_dir: Path, reference: Path, steps: int) -> list[dict[str, fl
     rows, before = [], None
     for step in range(1, steps + 1):
         got, want = weights(run_dir, step), weights(reference, step)
-        gap = sum(float(((got[k].double() - want[k].double()) ** 2).sum()) for k in want) ** 0.5
+        gap = weight_distance(got, want)
         row = {"after_step": step, "gap": gap}
         if before is not None:
-            update = sum(float(((want[k].double() - before[k].double()) ** 2).sum()) for k in want) ** 0.5
+            update = weight_distance(want, before)
             row.update(update=update, relative=gap / update if update else float("nan"))
         rows.append(row)
         before = want

@@ -84,21 +84,18 @@ def describe(row: dict[str, Any], limit: int) -> str:
     return f"gyre-ray: {row['why']} after {row['updates_done']} step(s); restarting the run {where}, {row['steps_lost']} finished step(s) lost; restart {row['restart']} of {limit}"
 
 
-def keep_trace(runtime: Any, run_dir: Path, first_step: int, offset: float) -> int:
-    """Write the dying segment's trace rows to `run_dir/trace.jsonl` after an earlier segment's rows
-    of steps < `first_step` (its own times moved by `offset`); returns the rows kept from it (0 when
-    the scheduler actor cannot say, e.g. it died too). The resumed segment keeps the rows of the
-    steps before its checkpoint (`gyre_ray.resume.merge_segments`)."""
+def keep_trace(runtime: Any, run_dir: Path, first_step: int, offset: float) -> None:
+    """Write the dying segment's trace rows (times moved by `offset`) to `run_dir/trace.jsonl` after an
+    earlier segment's rows of steps < `first_step`; nothing when the scheduler actor cannot say (it
+    died too). The resumed segment keeps the rows of the steps before its checkpoint
+    (`gyre_ray.resume.merge_segments`)."""
     import ray
 
-    from gyre_ray.resume import earlier_trace, shift
+    from gyre_ray.resume import merged_trace
     from gyre_ray.runtime.report import write_trace
 
     try:
         rows = ray.get(runtime.scheduler.trace_rows.remote(), timeout=60)
     except Exception:  # noqa: BLE001 - the trace is a record of the run, never a reason to stop it
-        return 0
-    write_trace(
-        run_dir, earlier_trace(run_dir, first_step) + [shift(r, ("start", "end"), offset) for r in rows]
-    )
-    return len(rows)
+        return
+    write_trace(run_dir, merged_trace(run_dir, first_step, offset, rows))

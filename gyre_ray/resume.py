@@ -75,6 +75,14 @@ def earlier_trace(run_dir: str | Path, first_step: int) -> list[dict[str, Any]]:
     return [r for r in _read_jsonl(Path(run_dir) / "trace.jsonl") if r["step"] < first_step]
 
 
+def merged_trace(
+    run_dir: str | Path, first_step: int, offset: float, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The earlier segment's trace rows of steps < `first_step`, then `rows` (a segment's own, from
+    its start) moved by `offset` seconds."""
+    return earlier_trace(run_dir, first_step) + [shift(r, ("start", "end"), offset) for r in rows]
+
+
 def segment_offset(run_dir: str | Path, first_step: int) -> float:
     """Where the resumed segment's clock starts: the end of the earlier segment's last execution or span."""
     run_dir = Path(run_dir)
@@ -101,9 +109,7 @@ def merge_segments(
     run_dir = Path(run_dir)
     before = _summary(run_dir)
     merged = dict(result)
-    merged["trace"] = earlier_trace(run_dir, first_step) + [
-        shift(r, ("start", "end"), offset) for r in result["trace"]
-    ]
+    merged["trace"] = merged_trace(run_dir, first_step, offset, result["trace"])
     merged["spans"] = [tuple(s) for s in before.get("spans", []) if s[3] <= offset] + [
         (c, k, round(lo + offset, 4), round(hi + offset, 4)) for c, k, lo, hi in result["spans"]
     ]

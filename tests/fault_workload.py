@@ -3,13 +3,15 @@
 `CountingExecutor` has `run_planned_execution`'s signature. Each execution makes `calls` chat calls
 through the proxy (each re-sending the conversation so far), sleeping `tool_s` between them, and
 retries a 429/503 after its Retry-After as a harness would (and a stream that ends in an error
-event, a proxy replica killed mid-call); it never gives up on a retryable error before `deadline_s`. Its outcome carries how many calls got a 200 (`calls`), so a test compares that
-with the records the store kept (also written to the workspace as `counted.json`). Rewards differ within a group (the execution's index in it), so the
-update has gradients to compare.
+event, a proxy replica killed mid-call); it never gives up on a retryable error before `deadline_s`.
+Its outcome carries how many calls got a 200 (`calls`, also written to the workspace as
+`counted.json`), so a test compares that with the records the store kept. Rewards differ within a
+group (the execution's index in it), so the update has gradients to compare.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import zlib
 from dataclasses import dataclass
@@ -92,7 +94,7 @@ class CountingExecutor:
                 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "tool: ok"}]
                 time.sleep(self.tool_s)
         # what the harness saw, beside its work (a benchmark reads it when no trace row is left)
-        (Path(workspace) / "counted.json").write_text(f'{{"calls": {ok}, "retried": {retried}}}')
+        (Path(workspace) / "counted.json").write_text(json.dumps({"calls": ok, "retried": retried}))
         index = int(execution_id.rsplit("-", 1)[-1])
         return ExecutionOutcome(
             execution_id=execution_id,
@@ -110,8 +112,6 @@ class CountingExecutor:
 
 def streamed_text(body: str) -> str:
     """The content of an OpenAI chat-completions event stream."""
-    import json
-
     parts = []
     for line in body.splitlines():
         if line.startswith("data: ") and line != "data: [DONE]":
@@ -122,8 +122,6 @@ def streamed_text(body: str) -> str:
 
 def stream_failed(body: str) -> bool:
     """True when an event stream carries an error event (the call did not complete)."""
-    import json
-
     return any(line.startswith("data: {") and "error" in json.loads(line[6:]) for line in body.splitlines())
 
 
@@ -144,11 +142,15 @@ def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int
     return reprefilled
 
 
+def weight_distance(a: dict, b: dict) -> float:
+    """The L2 distance between two state dicts of the same keys (float64)."""
+    return sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in b) ** 0.5
+
+
 def relative_update_gap(start: dict, final: dict, reference: dict) -> float:
-    num = sum(float(((final[k] - reference[k]).double() ** 2).sum()) for k in start)
-    den = sum(float(((reference[k] - start[k]).double() ** 2).sum()) for k in start)
-    assert den > 0, "the reference update is zero: nothing to compare"
-    return (num / den) ** 0.5
+    update = weight_distance(reference, start)
+    assert update > 0, "the reference update is zero: nothing to compare"
+    return weight_distance(final, reference) / update
 
 
 def reference_weights(rt: Any, start: dict, version: int, batches: list) -> dict:

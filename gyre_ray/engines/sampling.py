@@ -19,8 +19,9 @@ _SEED_SOURCE = random.SystemRandom()
 def make_generator(seed: int | None, draws_done: int = 0) -> tuple[torch.Generator, int]:
     """A CPU generator seeded with `seed`, or with a fresh random seed when None; returns (gen, seed).
 
-    A seeded generator is advanced past `draws_done` draws of `sample_rows` (one float64 each), so a
-    request continued from `draws_done` sampled tokens draws what the unbroken request would have."""
+    A seeded generator is advanced past `draws_done` draws of `sample_rows` (one float64 per sampled
+    token), so a request continued from `draws_done` tokens draws what the unbroken request would have
+    (a greedy request never draws: advancing its generator changes nothing)."""
     if seed is None:
         seed, draws_done = _SEED_SOURCE.getrandbits(63), 0
     gen = torch.Generator(device="cpu")

@@ -244,7 +244,7 @@ class TorchEngine(RolloutEngine):
     ) -> ActiveRequest:
         if not isinstance(rid, str) or not rid:
             raise EngineInputError(f"request id must be a non-empty string, got {rid!r}")
-        generator, seed = make_generator(seed, sampling.draws_done if sampling.temperature > 0 else 0)
+        generator, seed = make_generator(seed, sampling.draws_done)
         return ActiveRequest(
             rid=rid,
             input_ids=ids,
