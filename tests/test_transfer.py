@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -113,6 +114,30 @@ class _Peer:
             "kept": kept["x"].tolist(), "second": second_values, "third": third["x"].tolist(),
             "kept_ptr": kept["x"].data_ptr(), "second_ptr": second_ptr, "third_ptr": third["x"].data_ptr(),
         }  # fmt: skip
+
+    def fetch_at_once(self, tickets: list[Any], trials: int, fresh_pool: bool) -> list[list[float]]:
+        """Fetch `tickets` in one thread each, started together, `trials` times (each on a new
+        transport with an empty receive pool when `fresh_pool`; checksums off, as a run has them);
+        returns, per trial and ticket, the distinct values that arrived."""
+        seen = []
+        for _ in range(trials):
+            transport = self.transport
+            if fresh_pool:
+                transport = make_transport(self.transport.name, TransferSection(), owner=self.transport.owner)
+            start = threading.Barrier(len(tickets))
+            got: list[Any] = [None] * len(tickets)
+
+            def fetch(i: int, transport: Any = transport, start: Any = start, got: list = got) -> None:
+                start.wait()
+                got[i] = transport.fetch(tickets[i])["x"].unique().tolist()
+
+            threads = [threading.Thread(target=fetch, args=(i,)) for i in range(len(tickets))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            seen.append(got)
+        return seen
 
     def receive_weights(self, ticket: Any, engine: str = "main") -> int:
         """Load `ticket` into the named (stand-in) engine, through that engine's WeightReceiver."""
@@ -272,6 +297,21 @@ def test_a_receive_buffer_is_reused_only_once_nothing_views_it(backend: str) -> 
     )
     assert probe["second_ptr"] != probe["kept_ptr"]  # the first fetch's tensors are alive: another buffer
     assert probe["third_ptr"] == probe["second_ptr"]  # the second's were dropped: its buffer is reused
+    ray.kill(cell)
+
+
+@pytest.mark.parametrize(
+    ("backend", "fresh_pool"), [("object_store", True), pytest.param("mooncake", False, marks=needs_mooncake)]
+)
+def test_fetches_at_once_never_share_a_receive_buffer(backend: str, fresh_pool: bool) -> None:
+    """The core imports two satellites' gradients in two threads at once: each must get its own bytes
+    (two threads once both took the same idle buffer and one read the other's, checksums off)."""
+    core = _peers(backend)[0]
+    cell = Peer.options(num_cpus=0).remote(backend, "cell-7")
+    payloads = [{"x": torch.full((1 << 20,), float(i + 1), dtype=torch.float64)} for i in range(2)]
+    tickets = [ray.get(core.stage.remote(p, "grads", 0)) for p in payloads]
+    seen = ray.get(cell.fetch_at_once.remote(tickets, 40, fresh_pool), timeout=300)
+    assert seen == [[[1.0], [2.0]]] * 40, [trial for trial in seen if trial != [[1.0], [2.0]]][:3]
     ray.kill(cell)
 
 

@@ -132,12 +132,21 @@ class ReusableBuffer:
     """A uint8 receive/staging buffer that may be handed out again once no tensor returned from its
     last use still views it (its storage's use count is back to the count it had idle); where torch
     cannot say, it counts as viewed for good. `touch`: every page written once when it is allocated,
-    so copies into it later do not fault. Subclasses hook `_allocated` / `_released` (registration)."""
+    so copies into it later do not fault. Subclasses hook `_allocated` / `_released` (registration).
+
+    Between claiming a buffer and returning views of it a fetch holds `busy` (set under the pool's
+    lock): until those views exist the use count alone says nothing, and two threads fetching at once
+    would otherwise both take the buffer and read each other's bytes."""
 
     def __init__(self, touch: bool = False) -> None:
         self.touch = touch
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._idle_count: int | None = None
+        self.busy = False  # a fetch is reading into it
+
+    def in_use(self) -> bool:
+        """A fetch is reading into it, or tensors returned by an earlier one still view it."""
+        return self.busy or self.viewed()
 
     def ensure(self, nbytes: int) -> torch.Tensor:
         """The whole buffer, replaced by a new allocation first when it is smaller than `nbytes`."""

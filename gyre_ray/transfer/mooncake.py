@@ -53,7 +53,6 @@ class _Registered(ReusableBuffer):
     def __init__(self, engine: Any, touch: bool = False) -> None:
         super().__init__(touch)
         self.engine = engine
-        self.busy = False  # a fetch is reading into it
 
     def _allocated(self) -> None:
         if self.engine.register_memory(self.buffer.data_ptr(), self.buffer.numel()) != 0:
@@ -61,10 +60,6 @@ class _Registered(ReusableBuffer):
 
     def _released(self) -> None:
         self.engine.unregister_memory(self.buffer.data_ptr())
-
-    def in_use(self) -> bool:
-        """A fetch is reading into it, or tensors returned by an earlier one still view it."""
-        return self.busy or self.viewed()
 
 
 @register_transport

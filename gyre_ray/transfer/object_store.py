@@ -6,13 +6,16 @@ holds the object's reference, so Ray keeps the bytes while any ticket (or a Ray 
 is alive, and frees them after: the sender keeps nothing. The receiver copies out of plasma into one
 of `transfer.receive_buffers` pooled buffers, touched once when made (copying into fresh memory
 costs a page fault per page, and a slow huge-page compaction on a fragmented machine), reused once
-no tensor of its last fetch is alive; when all are still viewed, a fetch copies into a fresh one. Without a Ray cluster in this process
-(a cell run in-process, as unit tests do) the bytes travel inside the ticket instead.
+no tensor of its last fetch is alive and no other fetch is filling it (a cell fetches in several
+threads at once: the core imports two satellites' gradients together); when all are in use, a
+fetch copies into a fresh one. Without a Ray cluster in this process (a cell run in-process, as
+unit tests do) the bytes travel inside the ticket instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 import ray
@@ -31,13 +34,16 @@ class ObjectStoreTransport(Transport):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._pool = [ReusableBuffer(touch=True) for _ in range(self.section.receive_buffers)]
+        self._pool_lock = threading.Lock()  # a cell's fetches run in threads, several at once
 
-    def _receive_buffer(self, nbytes: int) -> torch.Tensor:
-        """A pooled, touched buffer of at least `nbytes` that nothing views any more, else a fresh one."""
-        for slot in self._pool:
-            if not slot.viewed():  # tensors of its last fetch are gone (or it was never used)
-                return slot.ensure(nbytes)[:nbytes]
-        return torch.empty(nbytes, dtype=torch.uint8)  # every pooled buffer is still viewed
+    def _claim_receive_buffer(self) -> ReusableBuffer | None:
+        """A pooled buffer no fetch is using and nothing views any more, now marked busy (None: all are)."""
+        with self._pool_lock:
+            for slot in self._pool:
+                if not slot.in_use():
+                    slot.busy = True
+                    return slot
+        return None
 
     def stage(self, payload: Any, *, kind: str, version: int | None = None, **_: Any) -> Ticket:
         layout, tensors = plan(payload)
@@ -64,10 +70,18 @@ class ObjectStoreTransport(Transport):
             raise self.error(ticket, f"no data within {self.section.timeout_s:g} s") from None
         except ray.exceptions.RayError as exc:
             raise self.error(ticket, f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
-        buffer = self._receive_buffer(ticket.nbytes)
-        buffer.numpy()[:] = array
-        self._verify(ticket, buffer)
-        return read_from(buffer, ticket.layout, copy=False)
+        slot = self._claim_receive_buffer()
+        try:
+            whole = (
+                torch.empty(ticket.nbytes, dtype=torch.uint8) if slot is None else slot.ensure(ticket.nbytes)
+            )
+            buffer = whole[: ticket.nbytes]
+            buffer.numpy()[:] = array
+            self._verify(ticket, buffer)
+            return read_from(buffer, ticket.layout, copy=False)  # views: they keep the slot in use
+        finally:
+            if slot is not None:
+                slot.busy = False
 
 
 def _address(buffer: torch.Tensor) -> dict[str, Any]:
