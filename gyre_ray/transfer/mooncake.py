@@ -74,6 +74,7 @@ class MooncakeTransport(Transport):
         self._send: list[_Registered] = []
         self._recv: list[_Registered] = []
         self._recv_lock = threading.Lock()
+        self._send_lock = threading.Lock()
         self._held: dict[int, _Registered] = {}  # KV stages by sequence number, until released
         self._abandoned: list[_Registered] = []  # receive buffers of reads that timed out (kept alive)
         self._readers: list[threading.Thread] = []  # those reads' threads
@@ -108,15 +109,17 @@ class MooncakeTransport(Transport):
         per drained session) each to a buffer of their own, kept until `release(ticket)`."""
         layout, tensors = plan(payload)
         session = self.session_id
-        self._next += 1
-        if kind == "kv":
-            slot = self._held[self._next] = _Registered(self.engine)
-        else:
-            slot = self._send[(self._next - 1) % len(self._send)]
-        buffer = slot.ensure(HEADER + layout.nbytes)
-        buffer[:8].view(torch.int64)[0] = self._next
-        write_into(buffer[HEADER:], layout, tensors)
-        address = {"peer": session, "addr": buffer.data_ptr(), "seq": self._next}
+        with self._send_lock:  # stages may come from several threads: each its own number and buffer
+            self._next += 1
+            seq = self._next
+            if kind == "kv":
+                slot = self._held[seq] = _Registered(self.engine)
+            else:
+                slot = self._send[(seq - 1) % len(self._send)]
+            buffer = slot.ensure(HEADER + layout.nbytes)
+            buffer[:8].view(torch.int64)[0] = seq
+            write_into(buffer[HEADER:], layout, tensors)
+        address = {"peer": session, "addr": buffer.data_ptr(), "seq": seq}
         return Ticket(self.name, kind, self.owner, layout, version, self._checksums(tensors), address)
 
     def fetch(self, ticket: Ticket) -> Any:
