@@ -9,6 +9,7 @@ another process filled). Per-tensor CRC-32 checksums prove a transfer bit-exact.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -177,3 +178,14 @@ class ReusableBuffer:
 
     def _released(self) -> None:
         """Called before the buffer is let go."""
+
+
+def claim_idle(pool: list[ReusableBuffer], lock: threading.Lock) -> ReusableBuffer | None:
+    """The first buffer of `pool` not `in_use`, marked busy under `lock` (None when all are in use);
+    the fetch that claimed it sets `busy` back to False once it has returned its views."""
+    with lock:
+        for slot in pool:
+            if not slot.in_use():
+                slot.busy = True
+                return slot
+    return None

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gyre_ray.transfer.base import Ticket, TransferError, Transport, register_transport
-from gyre_ray.transfer.layout import ALIGN, ReusableBuffer, plan, read_from, write_into
+from gyre_ray.transfer.layout import ALIGN, ReusableBuffer, claim_idle, plan, read_from, write_into
 
 HEADER = ALIGN  # bytes before the payload: int64 sequence number, then padding
 
@@ -157,11 +157,9 @@ class MooncakeTransport(Transport):
 
     def _receive_slot(self) -> tuple[_Registered, bool]:
         """A pooled receive buffer no live tensor views (True), else a one-off one (False)."""
-        with self._recv_lock:
-            for slot in self._recv:
-                if not slot.in_use():
-                    slot.busy = True
-                    return slot, True
+        slot = claim_idle(self._recv, self._recv_lock)
+        if slot is not None:
+            return slot, True
         slot = _Registered(self.engine)
         slot.busy = True
         return slot, False

@@ -22,7 +22,7 @@ import ray
 import torch
 
 from gyre_ray.transfer.base import Ticket, Transport, register_transport
-from gyre_ray.transfer.layout import ReusableBuffer, plan, read_from, write_into
+from gyre_ray.transfer.layout import ReusableBuffer, claim_idle, plan, read_from, write_into
 
 
 @register_transport
@@ -35,15 +35,6 @@ class ObjectStoreTransport(Transport):
         super().__init__(*args)
         self._pool = [ReusableBuffer(touch=True) for _ in range(self.section.receive_buffers)]
         self._pool_lock = threading.Lock()  # a cell's fetches run in threads, several at once
-
-    def _claim_receive_buffer(self) -> ReusableBuffer | None:
-        """A pooled buffer no fetch is using and nothing views any more, now marked busy (None: all are)."""
-        with self._pool_lock:
-            for slot in self._pool:
-                if not slot.in_use():
-                    slot.busy = True
-                    return slot
-        return None
 
     def stage(self, payload: Any, *, kind: str, version: int | None = None, **_: Any) -> Ticket:
         layout, tensors = plan(payload)
@@ -70,7 +61,7 @@ class ObjectStoreTransport(Transport):
             raise self.error(ticket, f"no data within {self.section.timeout_s:g} s") from None
         except ray.exceptions.RayError as exc:
             raise self.error(ticket, f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
-        slot = self._claim_receive_buffer()
+        slot = claim_idle(self._pool, self._pool_lock)
         try:
             whole = (
                 torch.empty(ticket.nbytes, dtype=torch.uint8) if slot is None else slot.ensure(ticket.nbytes)
