@@ -6,7 +6,9 @@ a loop, retrying a 429/503 after its Retry-After (and a dropped connection after
 harness would; one replica actor is killed mid-run and Serve replaces it. No call hangs; only the
 calls that were inside the killed replica fail, each with a retryable 503 + Retry-After (Serve's
 HTTP proxy runs `gyre_ray.proxy.serve_errors`), never a 500 or a dropped connection; every call a
-harness got a 200 for is in the store (a record is on file before its call's last byte).
+harness got a 200 for is in the store (a record is on file before its call's last byte). A call
+the router re-sent after the replica took its body and died gets a 503 after `proxy.body_timeout_s`
+(`app._read_body`) instead of waiting for the body until the client gives up.
 """
 
 from __future__ import annotations

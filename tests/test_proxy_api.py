@@ -472,3 +472,75 @@ def test_a_non_streaming_call_survives_a_drain_of_its_cell(tmp_path):
     moved, records = scenario(lp, lambda c, _: run(c, True))
     assert moved == undisturbed
     assert records[0].meta["migrations"] == 1 and len(records[0].meta["cells"]) == 2
+
+
+async def _asgi_call(app, path: str, api_key: str, pieces: list[bytes], gap_s: float, then_stop: bool):
+    """One raw ASGI POST whose body arrives in `pieces` `gap_s` apart; with `then_stop` the last piece
+    never comes (the receive waits forever, as a replica does for a body another one already took)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "server": ("proxy", 80),
+        "client": ("127.0.0.1", 1),
+        "headers": [
+            (b"host", b"proxy"),
+            (b"content-type", b"application/json"),
+            (b"x-api-key", api_key.encode()),
+        ],
+    }
+    queue = list(pieces)
+
+    async def receive():
+        if not queue:
+            await asyncio.Event().wait()  # no more body, and no disconnect either
+        await asyncio.sleep(gap_s)
+        piece = queue.pop(0)
+        return {"type": "http.request", "body": piece, "more_body": bool(queue) or then_stop}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    started = asyncio.get_running_loop().time()
+    await asyncio.wait_for(app(scope, receive, send), 30)
+    head = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return (
+        head["status"],
+        dict(head["headers"]),
+        json.loads(body),
+        asyncio.get_running_loop().time() - started,
+    )
+
+
+def test_a_request_body_that_stops_arriving_is_a_retryable_503_not_a_hang(tmp_path):
+    section = ProxySection(body_timeout_s=0.3)
+    lp = asyncio.run(build_local_proxy(CODEC, _factory(), tmp_path, num_cells=1, section=section))
+    created = lp.register_execution()
+    whole = json.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+    raw = whole.encode()
+    halves = [raw[: len(raw) // 2], raw[len(raw) // 2 :]]
+
+    async def main():
+        stalled = await _asgi_call(lp.app, "/v1/messages", created["api_key"], halves[:1], 0.0, True)
+        nothing = await _asgi_call(lp.app, "/v1/chat/completions", created["api_key"], [], 0.0, True)
+        # a slow body that keeps coming (each piece within the bound, the whole past it) is served
+        slow = await _asgi_call(lp.app, "/v1/messages", created["api_key"], halves, 0.2, False)
+        return stalled, nothing, slow
+
+    stalled, nothing, slow = asyncio.run(main())
+    for status, headers, _, took in (stalled, nothing):
+        assert status == 503 and headers[b"retry-after"] == b"1", (status, headers)
+        assert 0.25 < took < 5, took
+    assert stalled[2]["type"] == "error" and "stopped arriving" in stalled[2]["error"]["message"]
+    assert nothing[2]["error"]["type"] == "service_unavailable"
+    assert slow[0] == 200 and slow[3] > 0.3, slow
+    assert len(lp.store.records(created["execution_id"])) == 1  # only the served call is recorded

@@ -15,6 +15,7 @@ A 429 or 503 (no slot, no routable cell, a cell that died) is retryable and carr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -61,19 +62,44 @@ def _credentials(request: Request) -> list[str]:
     return [k for k in found if k]
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_body(request: Request, limit: int, idle_s: float) -> bytes:
+    """The whole body: 413 above `limit` bytes; 503 (retryable) when no piece arrives for `idle_s`.
+
+    The idle bound is how a call whose body went missing on the way ends instead of hanging: behind
+    Serve's HTTP proxy, a replica killed after it fetched the body but before the router heard it
+    accepted the call makes the router send the call to another replica, which would wait for a
+    body that no longer comes (so would a client that stops sending mid-body).
+    """
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(pieces.__anext__(), idle_s)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise ApiError(
+                503, f"the request body stopped arriving (nothing for {idle_s:g} s); send the call again"
+            ) from None
         body += chunk
         if len(body) > limit:
             raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+    return bytes(body)
+
+
+async def _read_json(request: Request, limit: int, idle_s: float) -> Any:
+    return _parse_json(await _read_body(request, limit, idle_s))
+
+
+def _parse_json(body: bytes) -> Any:
+    """The parsed body: 400 for an empty, malformed or non-text (lone surrogate) one."""
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        value = json.loads(bytes(body), parse_constant=_reject_constant)
+        value = json.loads(body, parse_constant=_reject_constant)
     except RecursionError:
         raise ApiError(400, "malformed JSON: nested too deeply") from None
     except ValueError as exc:
@@ -116,6 +142,7 @@ def build_app(service: Any) -> FastAPI:
     app.state.service = service
     app.add_middleware(CallMetrics)  # latency and errors of model calls, for the Ray dashboard
     limit = service.section.max_request_bytes
+    body_idle_s = service.section.body_timeout_s
 
     retry_after_s = service.section.retry_after_s
 
@@ -162,7 +189,7 @@ def build_app(service: Any) -> FastAPI:
 
     async def model_call(request: Request, handler: Handler) -> Response:
         execution_id = await execution_of(request)
-        body = await _read_json(request, limit)
+        body = await _read_json(request, limit, body_idle_s)
         headers = {k.lower(): v for k, v in request.headers.items()}
         return await handler(service, execution_id, body, headers)
 
@@ -206,9 +233,8 @@ def build_app(service: Any) -> FastAPI:
     @app.post("/gyre/executions")
     async def register(request: Request) -> Response:
         require_admin(request)
-        body: Any = {}
-        if (await request.body()).strip():
-            body = await _read_json(request, limit)
+        raw = await _read_body(request, limit, body_idle_s)
+        body: Any = _parse_json(raw) if raw.strip() else {}
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object (optional keys: execution_id, metadata)")
         execution_id, metadata = body.get("execution_id"), body.get("metadata")

@@ -54,6 +54,14 @@ class ProxySection(Section):
     max_request_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above it)."
     )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "Longest wait for the next piece of a request body; then a 503 with Retry-After (a body lost "
+            "between Serve's HTTP proxy and a replica that died, or a client that stopped sending)."
+        ),
+    )
     max_tokens_ceiling: int = Field(
         1 << 20,
         ge=1,
