@@ -15,6 +15,7 @@ import httpx
 import httpx2
 import openai
 import pytest
+from asgi_scope import json_post_scope
 
 from gyre_ray.cells.factories import ScriptedEngineFactory
 from gyre_ray.model.config import ModelSection
@@ -477,24 +478,7 @@ def test_a_non_streaming_call_survives_a_drain_of_its_cell(tmp_path):
 async def _asgi_call(app, path: str, api_key: str, pieces: list[bytes], gap_s: float, then_stop: bool):
     """One raw ASGI POST whose body arrives in `pieces` `gap_s` apart; with `then_stop` the last piece
     never comes (the receive waits forever, as a replica does for a body another one already took)."""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "server": ("proxy", 80),
-        "client": ("127.0.0.1", 1),
-        "headers": [
-            (b"host", b"proxy"),
-            (b"content-type", b"application/json"),
-            (b"x-api-key", api_key.encode()),
-        ],
-    }
+    scope = json_post_scope(path, {"host": "proxy", "x-api-key": api_key})
     queue = list(pieces)
 
     async def receive():

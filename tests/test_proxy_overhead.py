@@ -16,6 +16,7 @@ import json
 import random
 
 import httpx
+from asgi_scope import json_post_scope
 
 from gyre_ray.cells.cell import RolloutCell, TokenBatch
 from gyre_ray.cells.factories import ScriptedEngineFactory
@@ -211,21 +212,7 @@ def test_a_call_cancelled_while_waiting_for_tokens_aborts_its_cell_before_it_is_
                     got_some.set()
 
         raw = json.dumps(body).encode()
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/chat/completions",
-            "raw_path": b"/v1/chat/completions",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-            + [(k.lower().encode(), v.encode()) for k, v in key.items()],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
+        scope = json_post_scope("/v1/chat/completions", {"content-length": str(len(raw)), **key})
         sent = False
 
         async def receive_once():
