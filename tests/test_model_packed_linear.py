@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 
 import pytest
 import torch
 
 from gyre_ray.engines.testing import small_args
-from gyre_ray.model import packed_linear
+from gyre_ray.model import native_gemm, packed_linear
 from gyre_ray.model.kv_cache import KVCache
 from gyre_ray.model.packed_linear import (
     PackedLinear,
@@ -20,6 +22,17 @@ from gyre_ray.model.packed_linear import (
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.zeros(1)), reason="torch built without oneDNN")
+
+
+@contextlib.contextmanager
+def single_thread():
+    """torch on one intra-op thread (as in a Ray actor): where the native packing serves calls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def model_pair(seed: int = 0, **overrides) -> tuple[Qwen3ForCausalLM, Qwen3ForCausalLM]:
@@ -46,7 +59,8 @@ def prefill_then_decode(model: Qwen3ForCausalLM, ids: torch.Tensor, steps: int) 
 def test_packed_logits_equal_plain_in_prefill_and_decode(tied: bool) -> None:
     plain, fast = model_pair(tie_word_embeddings=tied)
     ids = torch.randint(0, 512, (3, 9), generator=torch.Generator().manual_seed(1))
-    expected, got = prefill_then_decode(plain, ids, 5), prefill_then_decode(fast, ids, 5)
+    with single_thread():
+        expected, got = prefill_then_decode(plain, ids, 5), prefill_then_decode(fast, ids, 5)
     assert got.shape == expected.shape == (3, 14, 512)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert fast.model.layers[0].self_attn._packed["qkv"]._packed is not None  # the packed path ran
@@ -103,21 +117,31 @@ def fused_group(seed: int = 0) -> tuple[list[torch.nn.Linear], torch.Tensor]:
     return layers, torch.cat([layer.weight.detach() for layer in layers])
 
 
-@pytest.mark.parametrize("mkl", [True, False])
-def test_packed_products_equal_f_linear_at_every_row_count(mkl: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["native", "mkl", "onednn"])
+def test_packed_products_equal_f_linear_at_every_row_count(kind: str, monkeypatch) -> None:
     """Rows below, at and above the packing's hint (the MKL packing is made for 4 rows here)."""
-    if not mkl:
+    if kind == "native" and not packed_linear._native_available():
+        pytest.fail(f"native GEMM {native_gemm.reason()}") if os.environ.get("CI") else pytest.skip(
+            f"native GEMM {native_gemm.reason()}"
+        )
+    if kind == "native":  # whichever is faster on this CPU: both kinds are tested
+        monkeypatch.setattr(PackedLinear, "_race", lambda self, merged: "native")
+    else:
+        monkeypatch.setattr(packed_linear, "_native_available", lambda: False)
+    if kind == "onednn":
         monkeypatch.setattr(packed_linear, "_mkl_supported", lambda: False)
+    elif kind == "mkl" and not packed_linear._mkl_supported():
+        pytest.skip("torch built without MKL")
     layers, merged = fused_group()
     fused = PackedLinear(layers, rows_hint=4)
-    with torch.inference_mode():
+    with torch.inference_mode(), single_thread():
         for rows in (1, 2, 3, 4, 5, 9, 40):
             x = torch.randn(rows, 1, 48)
             torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, merged), atol=1e-5, rtol=1e-5)
             parts = fused.split(x)
             assert [p.size(-1) for p in parts] == [32, 16, 16]
             torch.testing.assert_close(torch.cat(parts, -1), fused(x))
-    assert (fused._mkl_shape is not None) == (mkl and packed_linear._mkl_supported())
+    assert fused.kind == kind
 
 
 class WrongMKL:
@@ -131,6 +155,7 @@ class WrongMKL:
 
 
 def test_a_packing_that_disagrees_with_f_linear_falls_back_to_onednn(monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear, "_native_available", lambda: False)
     monkeypatch.setattr(packed_linear, "_MKL", WrongMKL())
     monkeypatch.setattr(packed_linear, "_mkl_supported", lambda: True)
     layers, merged = fused_group(1)
@@ -138,4 +163,4 @@ def test_a_packing_that_disagrees_with_f_linear_falls_back_to_onednn(monkeypatch
     x = torch.randn(4, 48)
     with torch.inference_mode():
         torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, merged), atol=1e-5, rtol=1e-5)
-    assert fused._mkl_shape is None and fused._packed is not None  # oneDNN's packing serves it
+    assert fused.kind == "onednn" and fused._packed is not None  # oneDNN's packing serves it

@@ -8,32 +8,42 @@ copy per group of projections that read the same input: q/k/v (one GEMM instead 
 gate/up (one instead of two), o, down and the LM head. The model uses them only when no gradient
 is being recorded, so the trainer's autograd path never sees them.
 
-Two packings exist: MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`), 3-7% faster than the other
-at 4 to 16 rows when packed for 16 (docs/engine.md), and oneDNN's blocked layout
-(`torch.ops.mkldnn._linear_pointwise`), used where torch lacks MKL. An MKL packing made for
+Three packings exist: gyre-ray's own AVX2 kernel (`native_gemm`, built with the system C compiler;
+on this project's 2-core AVX2 machine 1.3-3.4x MKL's rate at 2-64 rows and about MKL's at 1,024,
+docs/engine.md), MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`), 3-7% faster than oneDNN at 4 to 16 rows when
+packed for 16, and oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`), used where torch
+lacks MKL. Where both the native kernel and MKL are there, the faster of the two at `rows_hint` rows
+on one thread is taken, raced once per weight shape in a process (on a CPU with AVX-512 MKL may
+win). The native kernel runs on one thread, so while torch is set to several intra-op threads
+a native packing leaves the call to `F.linear` (MKL on all of them). An MKL packing made for
 `rows_hint` rows has the same size and gives the same products at any row count (its speed is tuned
 for the hint), but torch's op only takes its packed path when the rows equal the count it is told,
-so each call passes its own row count; every packing is checked once against `F.linear` at another
-row count and falls back to oneDNN if it disagrees (an MKL whose packing did depend on the rows).
+so each call passes its own row count. Every packing is checked once against `F.linear` at another
+row count and gives way to the next kind if it disagrees (a miscompiled kernel, an MKL whose
+packing did depend on the rows).
 
 The copies follow the parameters: each `PackedLinear` is built on first use and remembers the
 identity, storage and in-place version counter of its source weights; it rebuilds itself when any
 of them moved (`load_state_dict`, an optimizer step on a shared model, `param.data = ...`, a new
 parameter object), so a forward never reads stale weights.
 `unpack_inference_weights(model)` drops them (the engine does this when it frees its weights).
-Anything but a float32 CPU weight with oneDNN available keeps plain `F.linear`, and so does a call
-with a single row (a lone request's decode step), where MKL's unpacked kernel is faster still, and,
-under the MKL packing, a call with more rows than the packing was made for (`rows_hint`: a prefill),
-where the packing is slower than the unpacked kernel (1.25x at 1,024 rows when packed for 16).
+Anything but a float32 CPU weight with oneDNN available keeps plain `F.linear`. Under the MKL or
+oneDNN packing so does a call with a single row (a lone request's decode step), where MKL's unpacked
+kernel is faster still, and, under the MKL packing, a call with more rows than the packing was made
+for (`rows_hint`: a prefill), where that packing is slower than the unpacked kernel (1.25x at 1,024
+rows when packed for 16). The native kernel takes every row count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gyre_ray.model import native_gemm
 
 _ONEDNN = torch.ops.mkldnn
 _MKL = torch.ops.mkl
@@ -59,6 +69,24 @@ def _mkl_supported() -> bool:
     )
 
 
+def _native_available() -> bool:
+    return native_gemm.library() is not None
+
+
+_FASTER: dict[tuple[int, int, int], str] = {}  # (N, K, rows_hint) -> "native" or "mkl", raced once a process
+
+
+def _seconds_per_call(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    gemm(x)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        gemm(x)
+        gemm(x)
+        best = min(best, (time.perf_counter() - start) / 2)
+    return best
+
+
 class PackedLinear:
     """`x @ cat(weights).T` through one packed GEMM over a copy of the `layers`' weights."""
 
@@ -68,42 +96,78 @@ class PackedLinear:
         self.splits = [layer.weight.size(0) for layer in self.layers]
         self._signature: tuple[tuple[int, int, int], ...] | None = None
         self._packed: torch.Tensor | None = None
+        self.kind: str | None = None  # "native", "mkl" or "onednn" once packed
         self._mkl_shape: torch.Tensor | None = None  # (N, K) stride-0 stand-in: MKL's op reads sizes only
 
     def _current(self) -> tuple[tuple[int, int, int], ...]:
         return tuple((id(w), w.data_ptr(), w._version) for w in (layer.weight for layer in self.layers))
 
+    def _pack(self, kind: str, merged: torch.Tensor) -> None:
+        self.kind, self._mkl_shape = kind, None
+        if kind == "native":
+            self._packed = native_gemm.pack(merged)
+        elif kind == "mkl":
+            self._packed = _MKL._mkl_reorder_linear_weight(merged, self.rows_hint)
+            self._mkl_shape = merged.new_zeros(1).expand(merged.shape)
+        else:
+            self._packed = _ONEDNN._reorder_linear_weight(merged, self.rows_hint)
+
+    def _race(self, merged: torch.Tensor) -> str:
+        """The faster of the native kernel and MKL's packing at `rows_hint` rows on one thread (the
+        kernel's AVX2 code loses to MKL on a CPU with wider vectors), timed once per shape."""
+        key = (*merged.shape, self.rows_hint)
+        if key not in _FASTER:
+            x = torch.randn(self.rows_hint, merged.size(1), generator=torch.Generator().manual_seed(1))
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                seconds = {}
+                for kind in ("native", "mkl"):
+                    self._pack(kind, merged)
+                    seconds[kind] = _seconds_per_call(self._gemm, x)
+                    self._packed, self._mkl_shape = None, None
+            finally:
+                torch.set_num_threads(threads)
+            _FASTER[key] = min(seconds, key=seconds.__getitem__)
+        return _FASTER[key]
+
     def _refresh(self) -> None:
-        self._packed, self._mkl_shape = None, None  # free the old copy before building the new one
+        self._packed, self._mkl_shape, self.kind = None, None, None  # free the old copy first
+        kinds = [k for k, ok in (("native", _native_available()), ("mkl", _mkl_supported())) if ok]
         with torch.no_grad():
             weights = [layer.weight.detach() for layer in self.layers]
             merged = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
-            if _mkl_supported():
-                self._packed = _MKL._mkl_reorder_linear_weight(merged, self.rows_hint)
-                self._mkl_shape = merged.new_zeros(1).expand(merged.shape)
-                rows = next(n for n in _PROBE_ROWS if n != self.rows_hint)
-                probe = torch.randn(rows, merged.size(1), generator=torch.Generator().manual_seed(0))
-                if not torch.allclose(self._gemm(probe), F.linear(probe, merged), rtol=1e-4, atol=1e-5):
-                    self._packed, self._mkl_shape = None, None
+            if len(kinds) == 2 and self._race(merged) == "mkl":
+                kinds.reverse()
+            rows = next(n for n in _PROBE_ROWS if n != self.rows_hint)
+            probe = torch.randn(rows, merged.size(1), generator=torch.Generator().manual_seed(0))
+            for kind in kinds:
+                self._pack(kind, merged)
+                if torch.allclose(self._gemm(probe), F.linear(probe, merged), rtol=1e-4, atol=1e-5):
+                    break
+                self._packed, self.kind = None, None
             if self._packed is None:
-                self._packed = _ONEDNN._reorder_linear_weight(merged, self.rows_hint)
+                self._pack("onednn", merged)
         self._signature = self._current()
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        if self._mkl_shape is None:
-            return _ONEDNN._linear_pointwise(x, self._packed, None, "none", [], "")
-        return _MKL._mkl_linear(x, self._packed, self._mkl_shape, None, x.numel() // x.size(-1))
+        if self.kind == "native":
+            return native_gemm.gemm(x, self._packed, sum(self.splits))
+        if self.kind == "mkl":
+            return _MKL._mkl_linear(x, self._packed, self._mkl_shape, None, x.numel() // x.size(-1))
+        return _ONEDNN._linear_pointwise(x, self._packed, None, "none", [], "")
 
     def _unpacked(self, x: torch.Tensor) -> bool:
-        """Whether `x` goes through plain `F.linear` on the parameters: a single row (a lone decode,
-        where MKL's unpacked kernel is faster), or more rows than an MKL packing was made for (a
-        prefill, where the packing made for a few rows is slower than the unpacked kernel)."""
-        rows = x.numel() // x.size(-1)
-        if rows == 1:
-            return True
+        """Whether `x` goes through plain `F.linear` on the parameters: under the native packing, when
+        torch runs on several threads; under MKL's or oneDNN's, a single row (a lone decode, where MKL's
+        unpacked kernel is faster), or more rows than an MKL packing was made for (a prefill, where the
+        packing made for a few rows is slower than the unpacked kernel)."""
         if self._packed is None or self._current() != self._signature:
             self._refresh()  # first use, or the parameters changed in place or were replaced
-        return self._mkl_shape is not None and rows > self.rows_hint
+        if self.kind == "native":
+            return torch.get_num_threads() != 1
+        rows = x.numel() // x.size(-1)
+        return rows == 1 or (self.kind == "mkl" and rows > self.rows_hint)
 
     def _plain(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, layer.weight) for layer in self.layers)
@@ -115,11 +179,11 @@ class PackedLinear:
         return self._gemm(x)
 
     def free(self) -> None:
-        self._packed, self._mkl_shape, self._signature = None, None, None
+        self._packed, self._mkl_shape, self._signature, self.kind = None, None, None, None
 
     def __getstate__(self) -> dict:
         """Copies and pickles carry no packed tensor; the copy packs its own weights on first use."""
-        return {**self.__dict__, "_packed": None, "_mkl_shape": None, "_signature": None}
+        return {**self.__dict__, "_packed": None, "_mkl_shape": None, "_signature": None, "kind": None}
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One output per source weight (the packed GEMM's output cut back into them)."""
