@@ -50,6 +50,11 @@ def test_batched_strided_and_empty_inputs(native) -> None:
     assert native_gemm.gemm(torch.randn(0, 32), packed, 20).shape == (0, 20)
 
 
+def test_the_fma_peak_is_measured(native) -> None:
+    peak = native_gemm.fma_peak_gflops(seconds=0.02)
+    assert peak is not None and 0.5 < peak < 500  # GFLOP/s of one core, whatever the CPU
+
+
 def test_bad_inputs_are_refused_with_the_shapes(native) -> None:
     packed = native_gemm.pack(torch.randn(16, 8))
     with pytest.raises(ValueError, match="does not fit input K=9"):
@@ -91,7 +96,7 @@ def test_no_compiler_or_switched_off_means_torch_kernels_and_a_reason(fresh_stat
 def test_a_native_packing_leaves_several_threads_to_mkl_and_a_wrong_kernel_gives_way(
     native, monkeypatch
 ) -> None:
-    monkeypatch.setattr(PackedLinear, "_race", lambda self, merged: "native")
+    monkeypatch.setattr(PackedLinear, "_race", lambda self, kinds, merged: kinds)  # native first
     layer = torch.nn.Linear(16, 24, bias=False)
     fused = PackedLinear([layer], rows_hint=4)
     x = torch.randn(3, 16)
@@ -117,20 +122,19 @@ def test_a_native_packing_leaves_several_threads_to_mkl_and_a_wrong_kernel_gives
     assert wrong.kind == ("mkl" if packed_linear._mkl_supported() else "onednn")
 
 
-def test_the_faster_of_native_and_mkl_is_raced_once_per_shape(native, monkeypatch) -> None:
+def test_the_kinds_are_raced_once_per_shape_and_the_fastest_serves(native, monkeypatch) -> None:
     if not packed_linear._mkl_supported():
-        pytest.skip("torch built without MKL: nothing to race")
-    monkeypatch.setattr(packed_linear, "_FASTER", {})
+        pytest.skip("torch built without MKL")
+    monkeypatch.setattr(packed_linear, "_RANKED", {})
+    seconds = iter([3.0, 1.0, 2.0])  # native, mkl, onednn, in the order they are timed
     timed = []
-    monkeypatch.setattr(
-        packed_linear, "_seconds_per_call", lambda gemm, x: timed.append(1) or (2.0 - len(timed))
-    )
+    monkeypatch.setattr(packed_linear, "_seconds_per_call", lambda gemm, x: timed.append(1) or next(seconds))
     layer = torch.nn.Linear(16, 24, bias=False)
     first, second = PackedLinear([layer], rows_hint=4), PackedLinear([layer], rows_hint=4)
     x = torch.randn(3, 16)
     with torch.inference_mode():
         torch.testing.assert_close(first(x), layer(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(second(x), layer(x), atol=1e-5, rtol=1e-5)
-    assert timed == [1, 1]  # native, then mkl, timed for the first only
-    assert first.kind == second.kind == "mkl"  # the second timing (mkl) was the shorter
-    assert packed_linear._FASTER == {(24, 16, 4): "mkl"}
+    assert len(timed) == 3  # each kind timed once, for the first copy only
+    assert first.kind == second.kind == "mkl"
+    assert packed_linear._RANKED == {(24, 16, 4): ["mkl", "onednn", "native"]}

@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -88,6 +89,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ssize_t,
     ]  # fmt: skip
+    lib.gyre_fma_loop.restype = ctypes.c_float
+    lib.gyre_fma_loop.argtypes = [ctypes.c_long]
     return lib, "on"
 
 
@@ -107,9 +110,19 @@ def reason() -> str:
     return str(_state["reason"])
 
 
-def usable_now() -> bool:
-    """Whether inference may take the kernel now: it is loaded and torch runs on one thread."""
-    return library() is not None and torch.get_num_threads() == 1
+def fma_peak_gflops(seconds: float = 0.5) -> float | None:
+    """This core's measured float32 AVX2 FMA rate (GFLOP/s), the compute roofline; None without the kernel."""
+    lib = library()
+    if lib is None:
+        return None
+    iterations = 1_000_000
+    while True:
+        start = time.perf_counter()
+        lib.gyre_fma_loop(iterations)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return iterations * 12 * LANES * 2 / elapsed / 1e9
+        iterations *= 2
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

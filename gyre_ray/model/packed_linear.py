@@ -8,19 +8,19 @@ copy per group of projections that read the same input: q/k/v (one GEMM instead 
 gate/up (one instead of two), o, down and the LM head. The model uses them only when no gradient
 is being recorded, so the trainer's autograd path never sees them.
 
-Three packings exist: gyre-ray's own AVX2 kernel (`native_gemm`, built with the system C compiler;
-on this project's 2-core AVX2 machine 1.3-3.4x MKL's rate at 2-64 rows and about MKL's at 1,024,
-docs/engine.md), MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`), 3-7% faster than oneDNN at 4 to 16 rows when
-packed for 16, and oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`), used where torch
-lacks MKL. Where both the native kernel and MKL are there, the faster of the two at `rows_hint` rows
-on one thread is taken, raced once per weight shape in a process (on a CPU with AVX-512 MKL may
-win). The native kernel runs on one thread, so while torch is set to several intra-op threads
-a native packing leaves the call to `F.linear` (MKL on all of them). An MKL packing made for
-`rows_hint` rows has the same size and gives the same products at any row count (its speed is tuned
-for the hint), but torch's op only takes its packed path when the rows equal the count it is told,
-so each call passes its own row count. Every packing is checked once against `F.linear` at another
-row count and gives way to the next kind if it disagrees (a miscompiled kernel, an MKL whose
-packing did depend on the rows).
+Three packings exist: gyre-ray's own AVX2 kernel (`native_gemm`, built with the system C compiler),
+MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`) and oneDNN's blocked layout
+(`torch.ops.mkldnn._linear_pointwise`). Each group takes the fastest of those available at
+`rows_hint` rows on one thread, raced once per weight shape in a process: which wins depends on the
+CPU (on this project's 2-core AVX2 machine the native kernel runs the `m61` shapes at 1.3-1.8x the
+better of MKL and oneDNN at 2-16 rows, and ties them at 1,024; `benchmarks/bench_gemm.py`). The
+native kernel runs on one thread, so while torch is set to several intra-op threads a native
+packing leaves the call to `F.linear` (MKL on all of them). An MKL packing made for `rows_hint` rows
+has the same size and gives the same products at any row count (its speed is tuned for the hint),
+but torch's op only takes its packed path when the rows equal the count it is told, so each call
+passes its own row count. Every packing is checked once against `F.linear` at another row count and
+gives way to the next fastest if it disagrees (a miscompiled kernel, an MKL whose packing did depend
+on the rows).
 
 The copies follow the parameters: each `PackedLinear` is built on first use and remembers the
 identity, storage and in-place version counter of its source weights; it rebuilds itself when any
@@ -73,7 +73,9 @@ def _native_available() -> bool:
     return native_gemm.library() is not None
 
 
-_FASTER: dict[tuple[int, int, int], str] = {}  # (N, K, rows_hint) -> "native" or "mkl", raced once a process
+_RANKED: dict[
+    tuple[int, int, int], list[str]
+] = {}  # (N, K, rows_hint) -> kinds fastest first, once a process
 
 
 def _seconds_per_call(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
@@ -112,24 +114,24 @@ class PackedLinear:
         else:
             self._packed = _ONEDNN._reorder_linear_weight(merged, self.rows_hint)
 
-    def _race(self, merged: torch.Tensor) -> str:
-        """The faster of the native kernel and MKL's packing at `rows_hint` rows on one thread (the
-        kernel's AVX2 code loses to MKL on a CPU with wider vectors), timed once per shape."""
+    def _race(self, kinds: list[str], merged: torch.Tensor) -> list[str]:
+        """`kinds` fastest first at `rows_hint` rows on one thread, timed once per weight shape (which
+        wins depends on the CPU: the native kernel's AVX2 code may lose to MKL with AVX-512)."""
         key = (*merged.shape, self.rows_hint)
-        if key not in _FASTER:
+        if key not in _RANKED:
             x = torch.randn(self.rows_hint, merged.size(1), generator=torch.Generator().manual_seed(1))
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 seconds = {}
-                for kind in ("native", "mkl"):
+                for kind in kinds:
                     self._pack(kind, merged)
                     seconds[kind] = _seconds_per_call(self._gemm, x)
                     self._packed, self._mkl_shape = None, None
             finally:
                 torch.set_num_threads(threads)
-            _FASTER[key] = min(seconds, key=seconds.__getitem__)
-        return _FASTER[key]
+            _RANKED[key] = sorted(kinds, key=seconds.__getitem__)
+        return [kind for kind in _RANKED[key] if kind in kinds]
 
     def _refresh(self) -> None:
         self._packed, self._mkl_shape, self.kind = None, None, None  # free the old copy first
@@ -137,17 +139,16 @@ class PackedLinear:
         with torch.no_grad():
             weights = [layer.weight.detach() for layer in self.layers]
             merged = weights[0] if len(weights) == 1 else torch.cat(weights, 0)
-            if len(kinds) == 2 and self._race(merged) == "mkl":
-                kinds.reverse()
+            kinds = self._race([*kinds, "onednn"], merged) if kinds else ["onednn"]
             rows = next(n for n in _PROBE_ROWS if n != self.rows_hint)
             probe = torch.randn(rows, merged.size(1), generator=torch.Generator().manual_seed(0))
-            for kind in kinds:
+            for kind in kinds[:-1]:
                 self._pack(kind, merged)
                 if torch.allclose(self._gemm(probe), F.linear(probe, merged), rtol=1e-4, atol=1e-5):
                     break
                 self._packed, self.kind = None, None
             if self._packed is None:
-                self._pack("onednn", merged)
+                self._pack(kinds[-1], merged)
         self._signature = self._current()
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
