@@ -2,10 +2,12 @@
 
 On a few rows (a decode step: one row per running request) MKL's sgemm, packed or not, runs at a
 half or less of what one AVX2 core can do; the kernel here keeps 12 accumulators in registers
-over weights packed in 8-column panels and reaches 1.3-3.4x MKL's rate at 2-64 rows and about
-MKL's at 1,024 (figures in docs/engine.md, `benchmarks/bench_vs_hf.py`'s profile). It runs on one
-thread: `PackedLinear` takes it only while torch runs on one intra-op thread (what Ray gives an
-actor) and leaves several threads to MKL.
+over weights packed in 8-column panels and runs rows in L2-sized chunks. On this project's 2-core
+AVX2 machine it is 1.1-1.7x the better of MKL's packing and oneDNN at 2-64 rows and 1.03x at 1,024
+(83% and 94% of the core's FMA peak at 16 and 1,024 rows; `benchmarks/bench_gemm.py`,
+docs/engine.md). It runs on one thread: `PackedLinear` races it against MKL and oneDNN once per
+weight shape, takes it only while torch runs on one intra-op thread (what Ray gives an actor) and
+leaves several threads to MKL.
 
 The library is compiled once per machine on first use (`cc -O3 -shared -fPIC`, under a second)
 into `$GYRE_NATIVE_CACHE` or `~/.cache/gyre-ray/native/<hash of source, compiler and flags>/`,
