@@ -12,8 +12,8 @@ Three packings exist: gyre-ray's own AVX2 kernel (`native_gemm`, built with the 
 MKL's packed-B sgemm (`torch.ops.mkl._mkl_linear`) and oneDNN's blocked layout
 (`torch.ops.mkldnn._linear_pointwise`). Each group takes the fastest of those available at
 `rows_hint` rows on one thread, raced once per weight shape in a process: which wins depends on the
-CPU (on this project's 2-core AVX2 machine the native kernel runs the `m61` shapes at 1.3-1.8x the
-better of MKL and oneDNN at 2-16 rows, and ties them at 1,024; `benchmarks/bench_gemm.py`). The
+CPU (on this project's 2-core AVX2 machine the native kernel runs the `m61` shapes at 1.3-1.7x the
+better of MKL and oneDNN at 2-16 rows and 1.03x at 1,024; `benchmarks/bench_gemm.py`). The
 native kernel runs on one thread, so while torch is set to several intra-op threads a native
 packing leaves the call to `F.linear` (MKL on all of them). An MKL packing made for `rows_hint` rows
 has the same size and gives the same products at any row count (its speed is tuned for the hint),
@@ -47,7 +47,7 @@ from gyre_ray.model import native_gemm
 
 _ONEDNN = torch.ops.mkldnn
 _MKL = torch.ops.mkl
-_PROBE_ROWS = (3, 5)  # rows of the one-time check of an MKL packing: the first that is not the hint
+_PROBE_ROWS = (3, 5)  # rows of the one-time check of a packing: the first that is not the hint
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
@@ -73,9 +73,8 @@ def _native_available() -> bool:
     return native_gemm.library() is not None
 
 
-_RANKED: dict[
-    tuple[int, int, int], list[str]
-] = {}  # (N, K, rows_hint) -> kinds fastest first, once a process
+# (N, K, rows_hint) -> the packing kinds, fastest first: raced once per process
+_RANKED: dict[tuple[int, int, int], list[str]] = {}
 
 
 def _seconds_per_call(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
