@@ -29,6 +29,13 @@ $(STAMP): pyproject.toml Makefile
 			(apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || test "$$CI" != true; \
 		else echo "note: libibverbs1 missing (not root or no apt): Mooncake tests will skip"; fi; \
 	fi
+	@# The torch engine's native CPU GEMM is compiled on first use with the system C compiler (without
+	@# one it falls back to torch's kernels; under CI its tests must run, so gcc is installed where we can).
+	@if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			(apt-get update -qq && apt-get install -y -qq gcc >/dev/null) || test "$$CI" != true; \
+		else echo "note: no C compiler (not root or no apt): the native GEMM tests will skip"; fi; \
+	fi
 	@touch $(STAMP)
 
 install: $(STAMP)
