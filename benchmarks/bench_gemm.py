@@ -36,18 +36,19 @@ SHAPES = {  # (N, K) of y = x @ W.T
 
 
 def kinds(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Each available GEMM of `x @ weight.T`, its packing made for `rows` rows."""
+    """Each available GEMM of `x @ weight.T`, packed for `rows` rows the way the engine packs it."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"f_linear": lambda x: F.linear(x, weight)}
-    if native_gemm.library() is not None:
-        native = native_gemm.pack(weight)
-        out["native"] = lambda x: native_gemm.gemm(x, native, weight.size(0))
-    if packed_linear._mkl_supported():
-        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        shape = weight.new_zeros(1).expand(weight.shape)
-        out["mkl_packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, shape, None, x.size(0))
-    if packed_linear.packing_supported(weight):
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
+    available = {
+        "native": native_gemm.library() is not None,
+        "mkl_packed": packed_linear._mkl_supported(),
+        "onednn": packed_linear.packing_supported(weight),
+    }
+    for name, ok in available.items():
+        if ok:
+            fused = packed_linear.PackedLinear([], rows)
+            fused.splits = [weight.size(0)]
+            fused._pack(name.removesuffix("_packed"), weight)
+            out[name] = fused._gemm
     return out
 
 
