@@ -12,7 +12,7 @@ CODEX_STAMP := .cache/codex/.installed-$(CODEX_VERSION)
 # (a module's shared Ray / job fixture runs once): many tests wait on Ray start-up, agents and servers.
 TEST_WORKERS ?= 2
 
-.PHONY: install install-harnesses run test test-long lint format bench clean
+.PHONY: install install-harnesses run test test-extended test-long lint format bench clean
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -66,7 +66,13 @@ run: install
 test: install install-harnesses
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q -m "not gpu and not long" --timeout=600 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
+	$(PY) -m pytest -q -m "not gpu and not long and not extended" --timeout=600 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
+
+# The `extended` tests, left out of `make test` to keep it near 15 minutes on 2 cores: the driver-kill and
+# core-kill scenarios on whole jobs, resume on the real job, and the simulator's eta = 1 sweep against the
+# bound (about 10 minutes on 2 cores).
+test-extended: install install-harnesses
+	$(PY) -m pytest -q -m "extended and not gpu" --timeout=1200 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 # The learning runs (tests/test_learning_long.py: 2 seeds and an lr=0 control of the default job), minutes each.
 # Its own temp root: another pytest starting meanwhile resets /tmp/pytest-of-<user> to mode 0700, which

@@ -37,7 +37,7 @@ from gyre_ray.model.checkpoint import read_hf_weights
 from gyre_ray.runtime.journal import JOURNAL_NAME
 from gyre_ray.trajectory.records import read_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # `make test-extended`
 ROOT = Path(__file__).resolve().parents[1]
 GYRE = str(Path(sys.executable).with_name("gyre-ray"))
 OVERRIDES = [

@@ -24,7 +24,7 @@ from gyre_ray.runtime.cluster import start_local_ray
 from gyre_ray.train import resume_config, train
 from gyre_ray.trajectory.records import read_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]  # `make test-extended`
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [
     "run.tasks_per_step=1",
