@@ -68,9 +68,8 @@ test: install install-harnesses
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -m "not gpu and not long and not extended" --timeout=600 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
 
-# The `extended` tests, left out of `make test` to keep it near 15 minutes on 2 cores: the driver-kill and
-# core-kill scenarios on whole jobs, resume on the real job, and the simulator's eta = 1 sweep against the
-# bound (about 8 minutes on 2 cores).
+# The tests marked `extended` (which ones: README, "Development"), left out of `make test` to keep it near
+# 15 minutes on 2 cores.
 test-extended: install install-harnesses
 	$(PY) -m pytest -q -m "extended and not gpu" --timeout=1200 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 

@@ -80,7 +80,7 @@ def _kill_core_after(root: Path, step: int, done: threading.Event, timeout_s: fl
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # `make test-extended`: a whole job killed and restarted, ~110 s
+@pytest.mark.extended  # `make test-extended`: a whole job killed and restarted
 def test_core_killed_after_a_checkpoint_the_run_restarts_and_finishes(capsys) -> None:
     import ray
 
