@@ -15,6 +15,9 @@ paper): elastic within 10% of the bound; on nl2repo-like presets >= 1.21x over c
 Then the cell-count sweep (`--sweep-steps`, default 12 steps): elastic (best prefetch mode) over
 the bound on every preset, at eta 0 and 1, on 2 .. 8 cells (issue 8's target: within 5% of the
 bound everywhere). `--sweep-only` runs just the sweep and saves sim_cells_cpu<cores>.json.
+`--oracle-order` adds, at eta >= 1, elastic on the same executions launched longest first within
+each batch (`longest_first`: a clairvoyant order no online policy has), which separates what the
+launch order costs from what the rest of the schedule does.
 
 Also checks the nl2repo fit (colocate on the reference's 4 cells: 1.906 h per step) and times one
 48 x 8 x 1,024 simulation (target < 30 s).
@@ -37,7 +40,7 @@ from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.presets import PRESETS
 from gyre_ray.sim.runner import best_async, best_elastic, run_policy
 from gyre_ray.sim.timeline import SimResult
-from gyre_ray.sim.workload import sample_workload
+from gyre_ray.sim.workload import longest_first, sample_workload
 
 HOUR = 3600.0
 TARGET_VS_COLOCATE, TARGET_VS_ASYNC, TARGET_BOUND = 1.21, 1.78, 1.10
@@ -103,21 +106,30 @@ def bench_preset(name: str, steps: int, cells: int, seed: int, costs: SimCosts) 
     }
 
 
-def sweep_cells(name: str, steps: int, seed: int, costs: SimCosts) -> dict:
-    """elastic / bound for eta 0, 1 and 2 .. 8 cells on one sampled workload."""
+def sweep_cells(name: str, steps: int, seed: int, costs: SimCosts, oracle_order: bool = False) -> dict:
+    """elastic / bound for eta 0, 1 and 2 .. 8 cells on one sampled workload (and, with
+    `oracle_order`, at eta >= 1 on the same workload launched longest first)."""
     wl = sample_workload(PRESETS[name], steps, seed)
+    oracle_wl = longest_first(wl) if oracle_order else None
     table: dict = {}
     for eta in (0, 1):
         for cells in range(2, 9):
             elastic = best_elastic(wl, cells, eta, costs)
-            table[f"eta={eta} cells={cells}"] = {
+            entry = table[f"eta={eta} cells={cells}"] = {
                 "elastic_x_bound": round(elastic.makespan_s / elastic.lower_bound_s, 4),
                 "elastic_h_per_step": round(elastic.makespan_s / HOUR / steps, 4),
                 "bound_h_per_step": round(elastic.lower_bound_s / HOUR / steps, 4),
                 "prefetch": elastic.knobs.get("prefetch"),
             }
-        line = " ".join(f"{c}:{table[f'eta={eta} cells={c}']['elastic_x_bound']:.3f}" for c in range(2, 9))
-        print(f"  {name:13s} eta={eta} elastic x bound by cells  {line}", flush=True)
+            if oracle_wl is not None and eta:
+                oracle = best_elastic(oracle_wl, cells, eta, costs)
+                entry["oracle_order_x_bound"] = round(oracle.makespan_s / oracle.lower_bound_s, 4)
+                entry["oracle_order_prefetch"] = oracle.knobs.get("prefetch")
+        for key, label in (("elastic_x_bound", "elastic"), ("oracle_order_x_bound", "longest-first")):
+            cells_ = [c for c in range(2, 9) if key in table[f"eta={eta} cells={c}"]]
+            if cells_:
+                line = " ".join(f"{c}:{table[f'eta={eta} cells={c}'][key]:.3f}" for c in cells_)
+                print(f"  {name:13s} eta={eta} {label} x bound by cells  {line}", flush=True)
     return table
 
 
@@ -178,6 +190,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--sweep-steps", type=int, default=12, help="steps of the 2..8-cell sweep (0: skip)")
     parser.add_argument("--sweep-only", action="store_true", help="only the 2..8-cell sweep")
+    parser.add_argument(
+        "--oracle-order",
+        action="store_true",
+        help="sweep at eta 1 also with each batch launched longest first",
+    )
     args = parser.parse_args()
     costs = SimCosts()
     report: dict = {
@@ -193,9 +210,16 @@ def main() -> None:
         bench_main(args, costs, report)
     if args.sweep_steps:
         print(f"\ncell-count sweep, {args.sweep_steps} steps (target: elastic within 5% of the bound)")
-        report["cells_sweep"] = {"steps": args.sweep_steps, "target_x_bound": 1.05, "presets": {}}
+        report["cells_sweep"] = {
+            "steps": args.sweep_steps,
+            "target_x_bound": 1.05,
+            "oracle_order": args.oracle_order,
+            "presets": {},
+        }
         for name in args.presets.split(","):
-            report["cells_sweep"]["presets"][name] = sweep_cells(name, args.sweep_steps, args.seed, costs)
+            report["cells_sweep"]["presets"][name] = sweep_cells(
+                name, args.sweep_steps, args.seed, costs, args.oracle_order
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "sim_cells" if args.sweep_only else "sim"

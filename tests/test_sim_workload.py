@@ -16,6 +16,7 @@ from gyre_ray.sim.workload import (
     TrajectoryModel,
     WorkloadError,
     load_workload,
+    longest_first,
     sample_workload,
     spec_from_dict,
     trajectories_for,
@@ -61,6 +62,27 @@ def test_runaways_hit_the_timeout() -> None:
     spec = spec_from_dict({"extends": "terminal", "duration": {"runaway_fraction": 0.3}})
     wl = sample_workload(spec, steps=4, seed=0)
     assert np.mean(wl.timed_out) > 0.3 > np.mean(sample_workload(PRESETS["terminal"], 4, 0).timed_out)
+
+
+def test_longest_first_reorders_within_batches_and_keeps_the_bound() -> None:
+    wl = sample_workload(PRESETS["nl2repo"], steps=3, seed=1)
+    oracle = longest_first(wl)
+    assert np.array_equal(oracle.batch, wl.batch)  # batches stay in order, each keeps its executions
+    for b in range(3):
+        durations = oracle.duration_s[oracle.batch == b]
+        assert np.all(np.diff(durations) <= 0)  # longest first inside the batch
+        assert sorted(durations) == sorted(wl.duration_s[wl.batch == b])
+    # each execution keeps its group and training work: the same multiset of (group, duration, K)
+    before = sorted(zip(wl.group.tolist(), wl.duration_s.tolist(), wl.trajectories.tolist(), strict=True))
+    after = sorted(
+        zip(oracle.group.tolist(), oracle.duration_s.tolist(), oracle.trajectories.tolist(), strict=True)
+    )
+    assert before == after
+    bound, oracle_bound = lower_bound(wl, 4, 1, 10.0), lower_bound(oracle, 4, 1, 10.0)
+    assert oracle_bound.total_s == pytest.approx(bound.total_s, rel=1e-12)  # sums in another order
+    assert oracle_bound.update_s == pytest.approx(bound.update_s, rel=1e-12)
+    # an online policy launches in id order, so the order changes what it achieves
+    assert run_policy(oracle, "elastic", 2, 1).makespan_s != run_policy(wl, "elastic", 2, 1).makespan_s
 
 
 def test_nl2repo_fit_reproduces_the_colocate_step_time_on_four_cells() -> None:

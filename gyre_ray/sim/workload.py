@@ -176,6 +176,27 @@ def sample_workload(
     )
 
 
+def longest_first(wl: SampledWorkload) -> SampledWorkload:
+    """The same executions with each batch's ids ordered longest first: a clairvoyant launch order.
+
+    Policies launch pending executions in id order, so this is what a policy that knew every
+    duration at launch would do with its launches; no online policy can. Group membership, demand
+    and training work per execution go with it, so the lower bound is unchanged. Used by the
+    benchmark (`bench_sim.py --oracle-order`) to separate what launch order costs from the rest.
+    """
+    order = np.lexsort((-wl.duration_s, wl.batch))
+    return SampledWorkload(
+        spec=wl.spec,
+        steps=wl.steps,
+        duration_s=wl.duration_s[order],
+        batch=wl.batch[order],
+        group=wl.group[order],
+        demand=wl.demand[order],
+        trajectories=wl.trajectories[order],
+        timed_out=wl.timed_out[order],
+    )
+
+
 def _synthetic(spec: WorkloadSpec, steps: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
     dur = spec.duration
     assert dur is not None
