@@ -39,7 +39,12 @@ class RunSection(Section):
     wandb_mode: Literal["offline", "online", "disabled"] = Field(
         "offline", description="wandb mode (offline needs no network; `wandb sync` uploads later)."
     )
-    seed: int = Field(0, description="Global seed.")
+    seed: int = Field(
+        0,
+        description="Seed of the run's draws: the toy harness's request seeds and a longtail task's tool "
+        "sleeps come from it and each execution's name (0: the default draws); the model's weights use "
+        "model.seed.",
+    )
     checkpoint_every: int = Field(
         5,
         ge=0,

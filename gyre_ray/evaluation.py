@@ -186,6 +186,7 @@ class EvalRunner:
                 Endpoint(self.base_url, key["api_key"]),
                 str(item.workspace),
                 agents,
+                run_seed=self.cfg.run.seed,
             )  # fmt: skip
             for item, key in zip(items, keys, strict=True)
         ]

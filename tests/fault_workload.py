@@ -53,6 +53,7 @@ class CountingExecutor:
         endpoint: Any,
         workspace: str,
         section: dict[str, Any],
+        run_seed: int = 0,  # the fake draws from its own seed
     ) -> Any:
         import httpx
 

@@ -46,6 +46,7 @@ class LongTailExecutor:
         endpoint: Any,
         workspace: str,
         section: dict[str, Any],
+        run_seed: int = 0,  # the fake draws from its own seed
     ) -> Any:
         import httpx
 

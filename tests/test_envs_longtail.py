@@ -126,3 +126,36 @@ def test_a_scaled_set_shrinks_durations_and_time_limits_and_a_run_tag_does_not_c
     for bad in ("longtail:0", "longtail:x", "longtail:-1", "longtail:nan"):
         with pytest.raises(ValueError, match="positive number of seconds per hour"):
             AgentSection(task_set=bad)
+
+
+def test_the_run_seed_gives_other_draws_and_seed_0_keeps_the_default(tmp_path: Path, monkeypatch) -> None:
+    name = "s0-lt01-digits-3"
+    assert toy_agent.execution_seed(name) == toy_agent.execution_seed(name, 0)  # 0: name only, as before
+    assert toy_agent.execution_seed(name, 7) != toy_agent.execution_seed(name)
+    assert toy_agent.execution_seed(name, 7) == toy_agent.execution_seed(name, 7)  # reproducible
+    workspace = tmp_path / name
+    get_task_set("longtail")[1].seed_workspace(workspace)
+    totals = {}
+    for run_seed in (0, 7):
+        slept: list[float] = []
+        monkeypatch.setattr(toy_agent.time, "sleep", slept.append)
+        toy_agent.ToyAgent(_Client(), workspace, "List the digits.", seed=1, run_seed=run_seed).run(turns=2)
+        totals[run_seed] = sum(slept)
+    assert totals[0] == pytest.approx(sum(lt.tool_sleeps(lt.schedule_for(), name)))
+    assert totals[7] == pytest.approx(sum(lt.tool_sleeps(lt.schedule_for(seed=7), name)))
+    assert totals[7] != pytest.approx(totals[0])
+
+
+def test_a_planned_execution_hands_the_run_seed_to_the_harness(tmp_path: Path, monkeypatch) -> None:
+    from gyre_ray.agents import launch
+    from gyre_ray.agents.config import AgentSection
+    from gyre_ray.agents.runner import Endpoint
+
+    seen: dict = {}
+    monkeypatch.setattr(launch, "run_execution", lambda *a, **kw: seen.update(kw["env_extra"]))
+    section = AgentSection(isolation="none").model_dump()
+    endpoint = Endpoint("http://127.0.0.1:1", "k")
+    launch.run_planned_execution(
+        "s0-lt01-digits-0", "longtail", "lt01-digits", endpoint, str(tmp_path / "w"), section, run_seed=5
+    )
+    assert seen["GYRE_RUN_SEED"] == "5"

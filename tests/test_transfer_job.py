@@ -72,8 +72,8 @@ class SeededExecutor:
     max_tokens: int = 12
 
     def __call__(
-        self, execution_id: str, task_set: str, task_id: str, endpoint: Any, workspace: str, section: dict
-    ) -> Any:
+        self, execution_id: str, task_set: str, task_id: str, endpoint: Any, workspace: str, *_, **__
+    ) -> Any:  # the agents section and run_seed are not needed: the fake samples by execution id alone
         import httpx
 
         from gyre_ray.agents.runner import ExecutionOutcome

@@ -61,8 +61,12 @@ def run_planned_execution(
     endpoint: Endpoint,
     workspace: str,
     section: dict[str, Any],
+    run_seed: int = 0,
 ) -> ExecutionOutcome:
-    """Run one planned execution in the job's layout (`workspace` = <run>/workspaces/<id>)."""
+    """Run one planned execution in the job's layout (`workspace` = <run>/workspaces/<id>).
+
+    `run_seed` (`run.seed`) reaches the harness as GYRE_RUN_SEED: the toy harness draws its request
+    seeds and a `longtail` task's tool sleeps from it and the execution's name."""
     start = time.monotonic()
     try:
         cfg = AgentSection(**section)
@@ -79,6 +83,7 @@ def run_planned_execution(
             "GYRE_TOY_TURNS": str(cfg.toy_turns),
             "GYRE_TOY_MAX_TOKENS": str(cfg.toy_max_tokens),
             "GYRE_TOY_TOP_P": str(cfg.toy_top_p),
+            "GYRE_RUN_SEED": str(run_seed),
             **spec.env,
         }
         return run_execution(

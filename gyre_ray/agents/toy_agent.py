@@ -43,7 +43,14 @@ class ToyAgent:
     """One execution of the toy harness."""
 
     def __init__(
-        self, client, workspace: Path, task: str, seed: int, max_tokens: int = 16, top_p: float = 1.0
+        self,
+        client,
+        workspace: Path,
+        task: str,
+        seed: int,
+        max_tokens: int = 16,
+        top_p: float = 1.0,
+        run_seed: int = 0,
     ) -> None:
         self.client = client
         self.top_p = top_p
@@ -52,7 +59,7 @@ class ToyAgent:
         self.seed = seed
         self.max_tokens = max_tokens
         self.calls = 0
-        self.sleeps = _tool_sleeps(workspace)  # the longtail task set's builds and test runs
+        self.sleeps = _tool_sleeps(workspace, run_seed)  # the longtail task set's builds and test runs
 
     def _tool_time(self) -> None:
         if self.sleeps:
@@ -124,14 +131,27 @@ class ToyAgent:
         time.sleep(sum(self.sleeps))  # tool time the harness had no step left for
 
 
-def _tool_sleeps(workspace: Path) -> list[float]:
-    """Per-tool-step sleeps from the schedule a `longtail` task seeds (none for other tasks)."""
+def _tool_sleeps(workspace: Path, run_seed: int = 0) -> list[float]:
+    """Per-tool-step sleeps from the schedule a `longtail` task seeds (none for other tasks).
+
+    The run's seed (`run.seed`) shifts the schedule's own, so another seed draws other durations."""
     path = workspace / ".gyre_tool_sleeps.json"  # gyre_ray.envs.longtail.SCHEDULE_FILE
     if not path.is_file():
         return []
     from gyre_ray.envs.longtail import tool_sleeps  # numpy: only imported for longtail tasks
 
-    return tool_sleeps(json.loads(path.read_text()), workspace.name)
+    schedule = json.loads(path.read_text())
+    if run_seed:
+        schedule["seed"] = int(schedule["seed"]) + run_seed
+    return tool_sleeps(schedule, workspace.name)
+
+
+def execution_seed(workspace_name: str, run_seed: int = 0) -> int:
+    """The toy harness's base request seed: from the execution's name (its workspace folder), not the
+    path, so the same execution of another run folder (a resumed run, a rerun) samples the same way;
+    a non-zero `run.seed` gives other draws (seed 0 keeps the name-only ones)."""
+    key = workspace_name if not run_seed else f"{run_seed}/{workspace_name}"
+    return zlib.crc32(key.encode()) % 100_000
 
 
 def main() -> int:
@@ -142,9 +162,8 @@ def main() -> int:
     if not task:
         print("toy_agent: GYRE_TASK_PROMPT is empty", file=sys.stderr)
         return 2
-    # Seeded by the execution's name (its workspace folder), not the path: the same execution of
-    # another run folder (a resumed run, a rerun) samples the same way.
-    seed = zlib.crc32(workspace.resolve().name.encode()) % 100_000
+    run_seed = int(os.environ.get("GYRE_RUN_SEED", "0") or 0)
+    seed = execution_seed(workspace.resolve().name, run_seed)
     client = ChatClient(os.environ.get("OPENAI_BASE_URL", ""), os.environ.get("OPENAI_API_KEY", ""), 600.0)
     agent = ToyAgent(
         client,
@@ -153,6 +172,7 @@ def main() -> int:
         seed,
         max_tokens=int(os.environ.get("GYRE_TOY_MAX_TOKENS", "16")),
         top_p=float(os.environ.get("GYRE_TOY_TOP_P", "1.0")),
+        run_seed=run_seed,
     )
     agent.run(turns=int(os.environ.get("GYRE_TOY_TURNS", "2")))
     print(f"toy_agent: done after {agent.calls} model calls")

@@ -29,7 +29,7 @@ from typing import Any
 
 import ray
 
-from gyre_ray.agents.runner import Endpoint, ExecutionOutcome
+from gyre_ray.agents.runner import ExecutionOutcome
 from gyre_ray.proxy.store import actor_was_restarted
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recovery import is_cell_loss
@@ -108,11 +108,7 @@ class SchedulerReattach:
         """An execution journaled as launched that `workers` never started: start it now (a new key)."""
         item = self.planned[run.exec_id]
         key = ray.get(self.store.reissue_key.remote(item.execution_id), timeout=60)
-        ref = self.workers.execute.remote(
-            self.execute, item.execution_id, self.cfg.agents.task_set, item.task.task_id,
-            Endpoint(self.base_url, key), str(self.run_dir / "workspaces" / item.execution_id),
-            self.cfg.agents.model_dump(),
-        )  # fmt: skip
+        ref = self._start_execution(item, key)
         self.running[ref] = run
         if self.scheduler_restarts:
             self.scheduler_restarts[-1]["executions_relaunched"] += 1

@@ -306,7 +306,6 @@ class RunScheduler(CellRecovery, SchedulerReattach):
             self._launch(launches)
 
     def _launch(self, launches: list[Launch]) -> None:
-        cfg = self.cfg
         keys = ray.get(
             [
                 self.store.register.remote(
@@ -319,16 +318,21 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         now = self._now()
         for action, key in zip(launches, keys, strict=True):
             item = self.planned[action.exec_id]
-            ref = self.workers.execute.remote(
-                self.execute, item.execution_id, cfg.agents.task_set, item.task.task_id,
-                Endpoint(self.base_url, key["api_key"]), str(self.run_dir / "workspaces" / item.execution_id),
-                cfg.agents.model_dump(),
-            )  # fmt: skip
+            ref = self._start_execution(item, key["api_key"])
             self.running[ref] = RunningExecution(action.exec_id, action.cell_id, now, self.trainer_version)
             self.journal.launched(action.exec_id, action.cell_id)
             self.ledger.launch(action.exec_id, action.cell_id, now, self.trainer_version)
             self.recorder.launched(action.exec_id, now, self.trainer_version)
         self.recorder.loads(self, now)
+
+    def _start_execution(self, item: PlannedExecution, api_key: str) -> Any:
+        """Start one planned execution on the `workers` actor under `api_key`; returns its outcome's ref."""
+        cfg = self.cfg
+        return self.workers.execute.remote(
+            self.execute, item.execution_id, cfg.agents.task_set, item.task.task_id,
+            Endpoint(self.base_url, api_key), str(self.run_dir / "workspaces" / item.execution_id),
+            cfg.agents.model_dump(), run_seed=cfg.run.seed,
+        )  # fmt: skip
 
     def _switch_to_train(self, index: int) -> None:
         view = self.views[index]

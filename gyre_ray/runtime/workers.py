@@ -35,13 +35,13 @@ class RunWorkers:
         self._running: dict[str, threading.Event] = {}
         self._ended: OrderedDict[str, tuple[bool, Any]] = OrderedDict()  # id -> (raised, outcome or error)
 
-    def execute(self, execute: Any, *args: Any) -> Any:
-        """One execution: `execute(*args)` (`run_planned_execution`'s signature; args[0] is its id)."""
+    def execute(self, execute: Any, *args: Any, **kwargs: Any) -> Any:
+        """One execution: `execute(*args, **kwargs)` (`run_planned_execution`'s signature; args[0] is its id)."""
         execution_id = str(args[0])
         with self._lock:
             done = self._running[execution_id] = threading.Event()
         try:
-            outcome = execute(*args)
+            outcome = execute(*args, **kwargs)
         except BaseException as exc:
             self._remember(execution_id, (True, exc), done)
             raise
