@@ -23,7 +23,7 @@ Also checks the nl2repo fit (colocate on the reference's 4 cells: 1.906 h per st
 48 x 8 x 1,024 simulation (target < 30 s).
 
 Usage: python benchmarks/bench_sim.py [--steps 48] [--cells 8] [--seed 0] [--out benchmarks/results]
-Saves sim_cpu<cores>.json.
+Saves sim_cpu<cores>.json (`--stem NAME`: NAME_cpu<cores>.json).
 """
 
 from __future__ import annotations
@@ -188,6 +188,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--presets", default="nl2repo,terminal,nl2repo-hard")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--stem", default="", help="name of the JSON file (default: sim, or sim_cells with --sweep-only)"
+    )
     parser.add_argument("--sweep-steps", type=int, default=12, help="steps of the 2..8-cell sweep (0: skip)")
     parser.add_argument("--sweep-only", action="store_true", help="only the 2..8-cell sweep")
     parser.add_argument(
@@ -222,7 +225,7 @@ def main() -> None:
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "sim_cells" if args.sweep_only else "sim"
+    stem = args.stem or ("sim_cells" if args.sweep_only else "sim")
     path = out / f"{stem}_{report['hardware']}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nsaved {path}")
