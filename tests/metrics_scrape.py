@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import urllib.request
 from collections import defaultdict
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (the kernel's ephemeral range, outside Ray's worker ports)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Scraper:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from gyre_ray.proxy.launch import free_port
+from gyre_ray.ports import free_port
 
 START_ATTEMPTS = 3  # a raylet on a loaded machine can miss Ray's start-up wait
 

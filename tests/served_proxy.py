@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from gyre_ray.model.config import ModelSection
+from gyre_ray.ports import free_port
 from gyre_ray.proxy.codec import ChatCodec
 from gyre_ray.proxy.config import ProxySection
-from gyre_ray.proxy.launch import free_port
 from gyre_ray.proxy.local import build_local_proxy
 
 CODEC = ChatCodec.for_model(ModelSection())

@@ -241,7 +241,7 @@ def test_a_refused_weight_update_raises_and_keeps_the_version(fake: FakeSGLang) 
 def test_weights_broadcast_through_the_update_group_in_buckets(fake: FakeSGLang) -> None:
     engine = sglang_engine(fake)
     new = small_model(seed=9)
-    from gyre_ray.engines.sglang.server import free_port
+    from gyre_ray.ports import free_port
 
     async def scenario():
         sender = WeightBroadcaster([engine], "127.0.0.1", free_port(), group_name="g", backend="gloo")
@@ -472,7 +472,8 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 def test_a_started_server_is_waited_for_and_stopped_with_its_folders(tmp_path: Path) -> None:
     import sys
 
-    from gyre_ray.engines.sglang.server import SGLangServer, free_port
+    from gyre_ray.engines.sglang.server import SGLangServer
+    from gyre_ray.ports import free_port
 
     port = free_port()
     owned = tmp_path / "model"

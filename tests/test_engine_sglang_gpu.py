@@ -107,8 +107,8 @@ def test_real_sglang_releases_resumes_and_loads_new_weights(served) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL sender needs a GPU of its own")
 def test_real_sglang_receives_an_nccl_weight_broadcast(served) -> None:
-    from gyre_ray.engines.sglang.server import free_port
     from gyre_ray.engines.sglang.weight_sync import WeightBroadcaster
+    from gyre_ray.ports import free_port
 
     engine, _ = served
     new = small_model(seed=6)

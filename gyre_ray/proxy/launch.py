@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ import httpx
 
 from gyre_ray.cells.cell import EngineFactory
 from gyre_ray.config import GyreConfig
+from gyre_ray.ports import free_port
 from gyre_ray.trajectory.records import CallRecord
 
 
@@ -105,12 +105,6 @@ class ProxyHandle:
             self.owner.shutdown()
         else:
             self.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def serve_proxy(

@@ -21,9 +21,9 @@ from gyre_ray.engines.sglang.server import (
     SGLangServer,
     SGLangUnavailableError,
     check_available,
-    free_port,
     launch_command,
 )
+from gyre_ray.ports import free_port
 
 __all__ = [
     "SGLangClient",

@@ -16,7 +16,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,12 +47,6 @@ def check_available(cell_id: str, gpu_ids: Sequence[int | str]) -> None:
             f"cell {cell_id}: engine.backend=sglang needs a CUDA GPU but the cell's bundle has none "
             "(set cells.gpus_per_cell >= 1), or set engine.sglang.url to a running server"
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def launch_command(
