@@ -263,7 +263,14 @@ def _resume_folder(cfg: GyreConfig, run_dir: Path, checkpoint: Path | None) -> t
     the run starts again at step 0."""
     from gyre_ray.config import ConfigError
 
-    first_step = int(load_state(checkpoint)["step"]) if checkpoint is not None else 0
+    state = load_state(checkpoint) if checkpoint is not None else {}
+    first_step = int(state.get("step", 0))
+    saved_seed = state.get("seed")
+    if saved_seed is not None and int(saved_seed) != cfg.run.seed:
+        print(
+            f"gyre-ray: warning: {run_dir} ran with run.seed={saved_seed}, resumed with run.seed={cfg.run.seed}: "
+            "steps from here draw other task samples and harness seeds than the first run would have"
+        )
     if first_step >= cfg.run.steps:
         raise ConfigError(
             f"{run_dir} has done {first_step} step(s), run.steps={cfg.run.steps}: nothing to resume "

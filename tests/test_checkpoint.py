@@ -141,3 +141,16 @@ def test_resume_and_eval_commands_say_what_is_wrong(tmp_path: Path, capsys: pyte
     checkpoint.save(tmp_path, 2, _write_marker, {})
     assert main(["train", "--resume", str(tmp_path), "run.steps=2"]) == 2
     assert "nothing to resume (give run.steps=3 or more" in capsys.readouterr().err
+
+
+def test_resuming_with_another_seed_warns(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from gyre_ray.config import load_config
+    from gyre_ray.train import _resume_folder
+
+    saved = checkpoint.save(tmp_path, 2, _write_marker, {"seed": 5})
+    same = load_config("jobs/configs/toy.yaml", ["run.steps=3", "run.seed=5"])
+    assert _resume_folder(same, tmp_path, saved)[1] == 2
+    assert "warning" not in capsys.readouterr().out
+    other = load_config("jobs/configs/toy.yaml", ["run.steps=3", "run.seed=7"])
+    assert _resume_folder(other, tmp_path, saved)[1] == 2
+    assert "ran with run.seed=5, resumed with run.seed=7" in capsys.readouterr().out
