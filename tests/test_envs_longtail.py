@@ -159,3 +159,17 @@ def test_a_planned_execution_hands_the_run_seed_to_the_harness(tmp_path: Path, m
         "s0-lt01-digits-0", "longtail", "lt01-digits", endpoint, str(tmp_path / "w"), section, run_seed=5
     )
     assert seen["GYRE_RUN_SEED"] == "5"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [("GYRE_RUN_SEED", "five", "an integer"), ("GYRE_TOY_TOP_P", "high", "a number")],
+)
+def test_the_toy_harness_names_a_setting_that_is_not_a_number(
+    tmp_path: Path, monkeypatch, capsys, name: str, value: str, expected: str
+) -> None:
+    monkeypatch.setenv("GYRE_WORKSPACE", str(tmp_path))
+    monkeypatch.setenv("GYRE_TASK_PROMPT", "write hello.txt")
+    monkeypatch.setenv(name, value)
+    assert toy_agent.main() == 2
+    assert capsys.readouterr().err.strip() == f"toy_agent: {name}={value!r} is not {expected}"

@@ -154,6 +154,21 @@ def execution_seed(workspace_name: str, run_seed: int = 0) -> int:
     return zlib.crc32(key.encode()) % 100_000
 
 
+class _EnvError(ValueError):
+    """An environment variable the harness reads does not hold a number."""
+
+
+def _env_number(name: str, default: str, kind: type[int] | type[float]) -> int | float:
+    """`kind(os.environ[name])` (default if unset or empty), or `_EnvError` naming the variable."""
+    raw = os.environ.get(name, "") or default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise _EnvError(
+            f"toy_agent: {name}={raw!r} is not {'an integer' if kind is int else 'a number'}"
+        ) from None
+
+
 def main() -> int:
     from gyre_ray.agents.chat_client import ChatClient
 
@@ -162,7 +177,14 @@ def main() -> int:
     if not task:
         print("toy_agent: GYRE_TASK_PROMPT is empty", file=sys.stderr)
         return 2
-    run_seed = int(os.environ.get("GYRE_RUN_SEED", "0") or 0)
+    try:
+        run_seed = int(_env_number("GYRE_RUN_SEED", "0", int))
+        max_tokens = int(_env_number("GYRE_TOY_MAX_TOKENS", "16", int))
+        top_p = float(_env_number("GYRE_TOY_TOP_P", "1.0", float))
+        turns = int(_env_number("GYRE_TOY_TURNS", "2", int))
+    except _EnvError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     seed = execution_seed(workspace.resolve().name, run_seed)
     client = ChatClient(os.environ.get("OPENAI_BASE_URL", ""), os.environ.get("OPENAI_API_KEY", ""), 600.0)
     agent = ToyAgent(
@@ -170,11 +192,11 @@ def main() -> int:
         workspace,
         task,
         seed,
-        max_tokens=int(os.environ.get("GYRE_TOY_MAX_TOKENS", "16")),
-        top_p=float(os.environ.get("GYRE_TOY_TOP_P", "1.0")),
+        max_tokens=max_tokens,
+        top_p=top_p,
         run_seed=run_seed,
     )
-    agent.run(turns=int(os.environ.get("GYRE_TOY_TURNS", "2")))
+    agent.run(turns=turns)
     print(f"toy_agent: done after {agent.calls} model calls")
     return 0
 
