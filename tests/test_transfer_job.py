@@ -133,12 +133,19 @@ def _run(rt: Runtime, tag: str) -> dict:
 def test_one_step_job_gives_the_same_update_through_every_backend(job, backend) -> None:
     rt, checkpoint = job
     transfer = {**rt.config.transfer.model_dump(), "weights": backend, "gradients": backend}
-    ray.get([cell.use_transfer.remote(transfer) for cell in rt.cells.values()], timeout=120)
-    assert rt.restore(checkpoint) == 0  # every backend's job starts from the same weights and optimizer
-    start = ray.get(rt.core.state_dict.remote(), timeout=60)
-    result = _run(rt, f"{backend}.")
-    (step,) = result["steps"]
-    assert step["version"] == 1 and step["executions"] == step["valid"] == 2
+    for attempt in range(3):
+        # Whoever is free claims the next micro-batch: when the satellite's weight pull through the
+        # backend outlasts the core's few micro-steps, the core trains them all and no gradient
+        # moves. Run the step again (from the same checkpoint, so the same tokens) until one did;
+        # fresh transfer endpoints each time, as published versions only move forward.
+        ray.get([cell.use_transfer.remote(transfer) for cell in rt.cells.values()], timeout=120)
+        assert rt.restore(checkpoint) == 0  # every backend's job starts from the same weights and optimizer
+        start = ray.get(rt.core.state_dict.remote(), timeout=60)
+        result = _run(rt, f"{backend}-{attempt}.")  # one dot: the executor drops the tag
+        (step,) = result["steps"]
+        assert step["version"] == 1 and step["executions"] == step["valid"] == 2
+        if "cell-1" in step["trained_by_cell"]:
+            break
     assert set(step["trained_by_cell"]) == {"cell-0", "cell-1"}  # the satellite's gradients moved
     batches = ray.get(rt.scheduler.micro_batches.remote(0), timeout=60)
     final = ray.get(rt.core.state_dict.remote(), timeout=60)
