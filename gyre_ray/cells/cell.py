@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from array import array
 from collections import OrderedDict
@@ -89,6 +90,9 @@ class RolloutCell:
     ) -> None:
         """`transfer`: the `transfer` section (dumped), whose `kv` backend stages sessions' prefixes;
         `max_sessions`: sessions whose last context the cell remembers (least recent forgotten first)."""
+        # Ray warns once per process about any ray.get in an async actor, from whichever thread;
+        # this actor's transfers call ray.get only inside asyncio.to_thread, off the event loop.
+        os.environ.setdefault("RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "0")
         self.cell_id = cell_id
         self.engine_factory = engine_factory
         self.torch_threads = torch_threads
