@@ -1,8 +1,9 @@
 """Issue 8's target: the simulator's elastic policy within 5% of the lower bound on every preset, eta 0 and 1,
 2 .. 8 cells (8 steps of the full presets, seed 0; the benchmark's sweep runs 12, see docs/scheduling.md).
 
-Cases that miss it are listed in MISSES and marked xfail(strict): if a change brings one within 5%,
-the test fails until it is taken off the list, so the list stays the truth. Slow: 112 simulations of
+Cases that miss it are listed with their measured ratio in MEASURED_MISSES. Such a case fails if its
+ratio rises above the listed one (a scheduling regression), xfails while it stays above 1.05, and
+fails once a change brings it within 5% until it is taken off the list, so the list stays the truth. Slow: 112 simulations of
 8 x 1,024 executions (eta 1 tries 5 prefetch settings per case; 71 s in one process, 2026-12-04).
 `make test` runs the eta = 0 cases; the eta = 1 ones (the misses among them) are `extended`:
 `make test-extended` runs them.
@@ -17,6 +18,7 @@ from gyre_ray.sim.runner import best_elastic
 from gyre_ray.sim.workload import sample_workload
 
 STEPS, SEED, TARGET = 8, 0, 1.05
+REGRESSION_TOLERANCE = 5e-5  # the listed ratios are rounded to 4 decimals; the simulation is seeded
 # Measured elastic / bound at eta = 1 (8 steps, seed 0, best of eager, spare, trickle and paced)
 # where it misses; every eta = 0 case and terminal at 2, 3 and 8 cells (1.0336, 1.0439, 1.0480)
 # hold. What is left is what an online policy cannot have: the bound may launch each batch's long
@@ -32,7 +34,6 @@ MEASURED_MISSES: dict[tuple[str, int, int], float] = {
     for name, (first, ratios) in _ETA1_MISSES.items()
     for i, ratio in enumerate(ratios)
 }
-MISSES = set(MEASURED_MISSES)
 _WORKLOADS: dict = {}
 
 
@@ -49,9 +50,6 @@ def cases() -> list:
             for cells in range(2, 9):
                 # eta 1 tries 5 prefetch settings (up to 12 s a case; all 21 eta 0 cases: 25 s): `make test-extended`
                 marks = [pytest.mark.extended] if eta else []
-                if (name, eta, cells) in MISSES:
-                    reason = f"elastic at {MEASURED_MISSES[name, eta, cells]:.4f}x the bound (target 1.05x)"
-                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
                 out.append(pytest.param(name, eta, cells, marks=marks, id=f"{name}-eta{eta}-{cells}cells"))
     return out
 
@@ -61,6 +59,13 @@ def cases() -> list:
 def test_elastic_within_5_percent_of_the_bound(name: str, eta: int, cells: int) -> None:
     result = best_elastic(workload(name), cells, eta)
     assert result.makespan_s >= result.lower_bound_s  # the bound is a bound
-    assert result.makespan_s <= TARGET * result.lower_bound_s, (
-        f"{result.makespan_s / result.lower_bound_s:.3f}x"
+    ratio = result.makespan_s / result.lower_bound_s
+    measured = MEASURED_MISSES.get((name, eta, cells))
+    if measured is None:
+        assert ratio <= TARGET, f"{ratio:.4f}x the bound (target {TARGET}x)"
+        return
+    assert ratio <= measured + REGRESSION_TOLERANCE, (
+        f"{ratio:.4f}x the bound, worse than the {measured:.4f}x listed"
     )
+    assert ratio > TARGET, f"{ratio:.4f}x: within {TARGET}x now; take this case off MEASURED_MISSES"
+    pytest.xfail(f"elastic at {ratio:.4f}x the bound (target {TARGET}x)")
