@@ -5,8 +5,7 @@ Cases that miss it are listed with their measured ratio in MEASURED_MISSES. Such
 ratio rises above the listed one (a scheduling regression), xfails while it stays above 1.05, and
 fails once a change brings it within 5% until it is taken off the list, so the list stays the truth. Slow: 112 simulations of
 8 x 1,024 executions (eta 1 tries 5 prefetch settings per case; 71 s in one process, 2026-12-04).
-`make test` runs the eta = 0 cases; the eta = 1 ones (the misses among them) are `extended`:
-`make test-extended` runs them.
+`make test` runs them all (71 s of one worker's time).
 """
 
 from __future__ import annotations
@@ -44,14 +43,12 @@ def workload(name: str):
 
 
 def cases() -> list:
-    out = []
-    for name in PRESETS:
-        for eta in (0, 1):
-            for cells in range(2, 9):
-                # eta 1 tries 5 prefetch settings (up to 12 s a case; all 21 eta 0 cases: 25 s): `make test-extended`
-                marks = [pytest.mark.extended] if eta else []
-                out.append(pytest.param(name, eta, cells, marks=marks, id=f"{name}-eta{eta}-{cells}cells"))
-    return out
+    return [
+        pytest.param(name, eta, cells, id=f"{name}-eta{eta}-{cells}cells")
+        for name in PRESETS
+        for eta in (0, 1)
+        for cells in range(2, 9)
+    ]
 
 
 @pytest.mark.slow
