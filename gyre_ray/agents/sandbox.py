@@ -212,7 +212,9 @@ def _remove_scratch(uid: int) -> None:
                 continue
 
 
-def harness_env(identity: Identity, home: Path, tmp: Path, values: dict[str, str], passthrough=()) -> dict:
+def harness_env(
+    identity: Identity, home: Path, tmp: Path, values: dict[str, str], passthrough: tuple[str, ...] = ()
+) -> dict:
     """The harness's whole environment: an allowlist, never the job's own variables wholesale."""
     env = {name: os.environ[name] for name in (*BASE_ENV_NAMES, *passthrough) if name in os.environ}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")

@@ -21,6 +21,10 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gyre_ray.agents.chat_client import ChatClient
 
 WRITE_FILE_TOOL = {
     "type": "function",
@@ -44,7 +48,7 @@ class ToyAgent:
 
     def __init__(
         self,
-        client,
+        client: ChatClient,
         workspace: Path,
         task: str,
         seed: int,
@@ -83,7 +87,7 @@ class ToyAgent:
             handle.write(text + "\n")
         return len(text)
 
-    def _act(self, messages: list[dict], message) -> None:
+    def _act(self, messages: list[dict], message: Any) -> None:
         """Append the assistant message and run its tool calls (or save its text)."""
         entry: dict = {"role": "assistant", "content": message.content or ""}
         if message.tool_calls:

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from gyre_ray.proxy.errors import ApiError
 from gyre_ray.proxy.front import begin, complete, sampling_for, sse, validate
-from gyre_ray.proxy.generation import Generation, Outcome
+from gyre_ray.proxy.generation import Generation, Outcome, ToolCallOut
 from gyre_ray.proxy.responses_schema import ResponsesRequest
 from gyre_ray.proxy.roles import codex_role
 
@@ -47,7 +47,9 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
-def _call_item(item_id: str, call, arguments: str | None = None, status: str = "completed") -> dict[str, Any]:
+def _call_item(
+    item_id: str, call: ToolCallOut, arguments: str | None = None, status: str = "completed"
+) -> dict[str, Any]:
     args = call.arguments_json if arguments is None else arguments
     return {
         "type": "function_call",

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class Role(str, Enum):
@@ -134,7 +135,7 @@ class ReadOnlySequence(Sequence):
     def __len__(self) -> int:
         return len(self._items)
 
-    def __getitem__(self, index):  # O(n) for mapping-backed views; policies iterate instead
+    def __getitem__(self, index: int) -> Any:  # O(n) for mapping-backed views; policies iterate instead
         return list(self._values())[index]
 
 

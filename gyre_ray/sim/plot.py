@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gyre_ray.sim.timeline import SimResult
 
@@ -62,7 +63,7 @@ def plot_timelines(
     return out
 
 
-def _draw(ax, result: SimResult, capacity: float, horizon: float) -> None:
+def _draw(ax: Any, result: SimResult, capacity: float, horizon: float) -> None:
     tl = result.timeline
     h = 1 / 3600.0
     for cell, segments in enumerate(tl.segments):
