@@ -29,7 +29,7 @@ def curve(run_dir: Path) -> dict[str, Any]:
     k = min(3, len(rewards))
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
     return {
-        "run_dir": str(run_dir),
+        "run_dir": run_dir.name,  # the run folder's name: no machine paths in committed results
         "steps": len(rows),
         "reward_mean": [None if r["reward_mean"] is None else round(r["reward_mean"], 4) for r in rows],
         "reward_by_task": [r.get("reward_by_task", {}) for r in rows],
