@@ -17,7 +17,8 @@ from gyre_ray.sim.runner import best_elastic
 from gyre_ray.sim.workload import sample_workload
 
 STEPS, SEED, TARGET = 8, 0, 1.05
-REGRESSION_TOLERANCE = 5e-5  # the listed ratios are rounded to 4 decimals; the simulation is seeded
+# The listed ratios are rounded to 4 decimals (up to 5e-5 off); the simulation is seeded.
+REGRESSION_TOLERANCE = 1e-4
 # Measured elastic / bound at eta = 1 (8 steps, seed 0, best of eager, spare, trickle and paced)
 # where it misses; every eta = 0 case and terminal at 2, 3 and 8 cells (1.0336, 1.0439, 1.0480)
 # hold. What is left is what an online policy cannot have: the bound may launch each batch's long
