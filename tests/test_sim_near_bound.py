@@ -3,9 +3,9 @@
 
 Cases that miss it are listed with their measured ratio in MEASURED_MISSES. Such a case fails if its
 ratio rises above the listed one (a scheduling regression), xfails while it stays above 1.05, and
-fails once a change brings it within 5% until it is taken off the list, so the list stays the truth. Slow: 112 simulations of
-8 x 1,024 executions (eta 1 tries 5 prefetch settings per case; 71 s in one process, 2026-12-04).
-`make test` runs them all (71 s of one worker's time).
+fails once a change brings it within 5% until it is taken off the list, so the list stays the truth.
+Slow: 112 simulations of 8 x 1,024 executions (eta 1 tries 5 prefetch settings per case); `make test`
+runs them all, 71 s in one process (2026-12-04).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from gyre_ray.agents.chat_client import ChatClient
@@ -158,11 +159,14 @@ def execution_seed(workspace_name: str, run_seed: int = 0) -> int:
     return zlib.crc32(key.encode()) % 100_000
 
 
+_Number = TypeVar("_Number", int, float)
+
+
 class _EnvError(ValueError):
     """An environment variable the harness reads does not hold a number."""
 
 
-def _env_number(name: str, default: str, kind: type[int] | type[float]) -> int | float:
+def _env_number(name: str, default: str, kind: Callable[[str], _Number]) -> _Number:
     """`kind(os.environ[name])` (default if unset or empty), or `_EnvError` naming the variable."""
     raw = os.environ.get(name, "") or default
     try:
@@ -182,10 +186,10 @@ def main() -> int:
         print("toy_agent: GYRE_TASK_PROMPT is empty", file=sys.stderr)
         return 2
     try:
-        run_seed = int(_env_number("GYRE_RUN_SEED", "0", int))
-        max_tokens = int(_env_number("GYRE_TOY_MAX_TOKENS", "16", int))
-        top_p = float(_env_number("GYRE_TOY_TOP_P", "1.0", float))
-        turns = int(_env_number("GYRE_TOY_TURNS", "2", int))
+        run_seed = _env_number("GYRE_RUN_SEED", "0", int)
+        max_tokens = _env_number("GYRE_TOY_MAX_TOKENS", "16", int)
+        top_p = _env_number("GYRE_TOY_TOP_P", "1.0", float)
+        turns = _env_number("GYRE_TOY_TURNS", "2", int)
     except _EnvError as exc:
         print(exc, file=sys.stderr)
         return 2
