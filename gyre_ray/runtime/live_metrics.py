@@ -65,9 +65,18 @@ class LiveMetrics:
 
         statuses = ray.get([a.status.remote() for a in sched.actors], timeout=5)
         self.waiting_calls = {i: _beyond_slots(s.get("engine", {})) for i, s in enumerate(statuses)}
+        self.count_generated(statuses)
+
+    def count_generated(self, statuses: list[dict[str, Any]]) -> None:
+        """Tokens each cell's engine decoded since the last poll. An engine's counter starts at 0, so
+        the first poll counts all it decoded before; a counter that went down is a restarted cell's
+        new engine, counted from 0 again."""
         for status in statuses:
             cell, decoded = status["cell_id"], int(status.get("engine", {}).get("decode_tokens", 0))
-            self.metrics.tokens(cell, generated=decoded - self._decoded.get(cell, decoded))
+            before = self._decoded.get(cell, 0)
+            new = decoded - before if decoded >= before else decoded
+            if new > 0:
+                self.metrics.tokens(cell, generated=new)
             self._decoded[cell] = decoded
 
     def micro_step(self, cell_id: str, metrics: dict[str, Any]) -> None:

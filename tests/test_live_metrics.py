@@ -1,0 +1,30 @@
+"""The scheduler's live metrics count every token a cell's engine decoded, from its first poll on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gyre_ray.runtime.live_metrics import LiveMetrics
+
+
+class RecordingMetrics:
+    """Stands in for RuntimeMetrics: keeps the generated-token increments per cell."""
+
+    def __init__(self) -> None:
+        self.generated: dict[str, int] = {}
+
+    def tokens(self, cell: str, trained: int = 0, generated: int = 0) -> None:
+        self.generated[cell] = self.generated.get(cell, 0) + generated
+
+
+def _status(cell: str, decoded: int) -> dict[str, Any]:
+    return {"cell_id": cell, "engine": {"decode_tokens": decoded}}
+
+
+def test_tokens_decoded_before_the_first_poll_are_counted_and_a_restart_counts_from_zero() -> None:
+    live = LiveMetrics()
+    live.metrics = RecordingMetrics()
+    live.count_generated([_status("cell-0", 40), _status("cell-1", 0)])  # decoded before the first poll
+    live.count_generated([_status("cell-0", 100), _status("cell-1", 7)])
+    live.count_generated([_status("cell-0", 100), _status("cell-1", 3)])  # cell-1 restarted: a new engine
+    assert live.metrics.generated == {"cell-0": 100, "cell-1": 10}
