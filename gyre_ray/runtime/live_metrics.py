@@ -5,6 +5,7 @@
     live.micro_step(cell_id, metrics)     # tokens trained, per cell
     live.switched(direction, seconds)     # switch latency
     live.step_done(step_metrics)          # staleness of the update's tokens, version
+    live.poll_engines(sched)              # tokens generated, at each step's end too
 
 Tokens generated per cell come from the cells' engine counters (`decode_tokens`), read every few
 seconds; the same poll keeps the model calls each engine holds beyond its decode slots
@@ -42,9 +43,14 @@ class LiveMetrics:
             with contextlib.suppress(Exception):
                 self._gauges(sched)
         if now - self._engines_at >= ENGINE_POLL_S:
-            self._engines_at = now
-            with contextlib.suppress(Exception):
-                self._generated(sched)
+            self.poll_engines(sched)
+
+    def poll_engines(self, sched: Any) -> None:
+        """Read the cells' engine counters now (every few seconds, and at each step's end, so a
+        step shorter than the poll period still counts its tokens)."""
+        self._engines_at = time.monotonic()
+        with contextlib.suppress(Exception):
+            self._generated(sched)
 
     def _gauges(self, sched: Any) -> None:
         roles = {"rollout": 0, "train": 0, "switching": 0}

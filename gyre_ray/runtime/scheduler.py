@@ -594,6 +594,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         self.step_metrics.append(metrics)
         self.journal.published(update.batch, update.version, metrics)
         self.live.step_done(metrics)
+        self.live.poll_engines(self)
 
     def _checkpoint(self) -> float:
         """Write the run's checkpoint now, right after an update is published (the core is idle then);
