@@ -120,9 +120,10 @@ def sweep_cells(name: str, steps: int, seed: int, costs: SimCosts, oracle_order:
                 "elastic_h_per_step": round(elastic.makespan_s / HOUR / steps, 4),
                 "bound_h_per_step": round(elastic.lower_bound_s / HOUR / steps, 4),
                 "prefetch": elastic.knobs.get("prefetch"),
+                "launch_order": elastic.knobs.get("launch_order", "fifo"),
             }
             if oracle_wl is not None and eta:
-                oracle = best_elastic(oracle_wl, cells, eta, costs)
+                oracle = best_elastic(oracle_wl, cells, eta, costs, sibling=False)  # keep longest first
                 entry["oracle_order_x_bound"] = round(oracle.makespan_s / oracle.lower_bound_s, 4)
                 entry["oracle_order_prefetch"] = oracle.knobs.get("prefetch")
         for key, label in (("elastic_x_bound", "elastic"), ("oracle_order_x_bound", "longest-first")):

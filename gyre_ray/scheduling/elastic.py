@@ -34,10 +34,15 @@ treated, the `prefetch` knob:
   and cells the current batch no longer needs can go to training. While the trainable batch has
   nothing in flight, later batches fill every rollout cell as in spare.
 With eta = 0 there is no prefetch and the modes decide the same.
+
+`launch_order` says which pending executions of a batch go first: `fifo` (default, id order) or
+`sibling` (`gyre_ray.scheduling.launch_order`: a probe of every untouched task, then tasks whose
+launched executions look longest; needs `duration_prior`, the workload's duration model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from gyre_ray.scheduling.base import (
@@ -47,10 +52,12 @@ from gyre_ray.scheduling.base import (
     place_pending,
     register_policy,
 )
+from gyre_ray.scheduling.launch_order import DurationPrior, SiblingOrder
 from gyre_ray.scheduling.state import (
     Action,
     CellState,
     Launch,
+    ReadOnlySequence,
     Role,
     SchedState,
     SwitchToRollout,
@@ -58,6 +65,7 @@ from gyre_ray.scheduling.state import (
 )
 
 PREFETCH_MODES = ("eager", "spare", "paced", "trickle")
+LAUNCH_ORDERS = ("fifo", "sibling")
 
 
 @register_policy
@@ -66,21 +74,41 @@ class ElasticPolicy(Policy):
 
     name = "elastic"
 
-    def __init__(self, repay_factor: float = 1.0, prefetch: str = "eager", pace_s: float = 5400.0) -> None:
+    def __init__(
+        self,
+        repay_factor: float = 1.0,
+        prefetch: str = "eager",
+        pace_s: float = 5400.0,
+        launch_order: str = "fifo",
+        duration_prior: DurationPrior | None = None,
+    ) -> None:
         if repay_factor < 0:
             raise ValueError(f"elastic policy: repay_factor must be >= 0, got {repay_factor}")
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"elastic policy: prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
         if pace_s <= 0:
             raise ValueError(f"elastic policy: pace_s must be > 0, got {pace_s}")
+        if launch_order not in LAUNCH_ORDERS:
+            raise ValueError(
+                f"elastic policy: launch_order must be one of {LAUNCH_ORDERS}, got {launch_order!r}"
+            )
+        if launch_order == "sibling" and duration_prior is None:
+            raise ValueError(
+                "elastic policy: launch_order 'sibling' needs duration_prior (the duration model)"
+            )
         self.repay_factor = repay_factor
         self.prefetch = prefetch
         self.pace_s = pace_s
+        self.launch_order = launch_order
+        self._sibling = SiblingOrder(duration_prior) if launch_order == "sibling" and duration_prior else None
 
     def decide(self, state: SchedState) -> list[Action]:
         if state.policy_version >= state.steps_total:
             return []
         free = free_rollout_capacity(state)
+        room = sum(free.values())
+        if self._sibling is not None and room > EPS:
+            state = dataclasses.replace(state, pending=ReadOnlySequence(self._sibling.order(state, room)))
         capacity = sum(c.rollout_capacity for c in state.cells_in(Role.ROLLOUT))
         in_flight = sum(c.load for c in state.cells) + state.queued_demand
         urgent = in_flight + state.launchable_demand(max_lag=0)

@@ -21,7 +21,7 @@ Vocabulary
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -82,6 +82,7 @@ class Execution:
     cell_id: int
     launched_at: float
     launch_version: int
+    group: int = -1  # the task (GSPO group) it runs; -1 = not known to the backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,15 @@ class PendingExecution:
     exec_id: int
     batch: int
     demand: float
+    group: int = -1  # the task (GSPO group) it runs; -1 = not known to the backend
+
+
+@dataclass(frozen=True, slots=True)
+class EndedExecution:
+    """How an execution of a task ended: seconds from launch to end, and whether it hit the timeout."""
+
+    ran_s: float
+    timed_out: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +170,12 @@ class SchedState:
     queued_demand: demand the rollout cells hold but cannot serve now, in capacity units (a real
         backend: model calls queued beyond its engines' slots, converted to executions); the
         simulator never overfills a cell, so 0 there. Elastic counts it as demand to bring cells back.
+    group_ended: per task (group id), how its ended executions ended, in end order;
+    group_running: per task, the launch times of its executions in flight, by exec id;
+    pending_by_group: per task with executions not launched yet, those executions by exec id, tasks
+        in `pending` order. All three are empty where the backend does not track tasks (then
+        `launch_order="sibling"` is FIFO); the last is an index a backend may leave out (the order
+        is then derived from `pending`).
     """
 
     now: float
@@ -177,6 +193,9 @@ class SchedState:
     switch_to_train_s: float = 8.52
     switch_to_rollout_s: float = 3.46
     queued_demand: float = 0.0
+    group_ended: Mapping[int, Sequence[EndedExecution]] = field(default_factory=dict)
+    group_running: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
+    pending_by_group: Mapping[int, Mapping[int, PendingExecution]] = field(default_factory=dict)
 
     def launchable(self, batch: int) -> bool:
         """Whether an execution of `batch` may be launched now without exceeding the staleness bound."""

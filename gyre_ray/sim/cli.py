@@ -212,7 +212,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'util':>6s} {'stale':>6s} {'switches':>8s}  knobs",
     ]
     for name, row in report["policies"].items():
-        knobs = {k: v for k, v in row["knobs"].items() if k != "sweep_makespan_s"}
+        knobs = {k: v for k, v in row["knobs"].items() if k not in ("sweep_makespan_s", "duration_prior")}
         lines.append(
             f"{name:10s} {row['makespan_s'] / HOUR:10.2f} {row['makespan_s'] / HOUR / steps:7.3f} "
             f"{row['lower_bound_s'] / HOUR:8.2f} {row['ratio_to_bound']:7.3f} {row['utilization']:6.1%} "

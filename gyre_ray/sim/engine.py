@@ -25,6 +25,7 @@ from types import MappingProxyType
 from gyre_ray.scheduling.base import Policy
 from gyre_ray.scheduling.state import (
     CellState,
+    EndedExecution,
     Execution,
     Launch,
     PendingExecution,
@@ -130,7 +131,8 @@ class Simulator:
             raise SimulationError(f"{policy.name}: initial_roles gave {len(roles)} roles for {n_cells} cells")
         self.cells = [_Cell(i, role, capacity) for i, role in enumerate(roles)]
         self.pending: dict[int, PendingExecution] = {
-            e: PendingExecution(e, self.batch_of[e], self.demand[e]) for e in range(len(self.dur))
+            e: PendingExecution(e, self.batch_of[e], self.demand[e], self.group_of[e])
+            for e in range(len(self.dur))
         }
         self.pending_demand: dict[int, float] = {}
         self.unended = [0] * self.steps
@@ -153,6 +155,18 @@ class Simulator:
         for c in self.cells:
             self.tl.segment(c.cell_id, 0.0, c.kind())
         self._by_cell = MappingProxyType({c.cell_id: MappingProxyType(c.execs) for c in self.cells})
+        # what each task's launched executions showed so far (read-only views for the policy)
+        self.timed_out = workload.timed_out.tolist()
+        self._group_ended: dict[int, list[EndedExecution]] = {}
+        self._group_running: dict[int, dict[int, float]] = {}
+        self._ended_views: dict[int, ReadOnlySequence] = {}
+        self._running_views: dict[int, MappingProxyType] = {}
+        self._pending_by_group: dict[int, dict[int, PendingExecution]] = {}
+        for e, item in self.pending.items():
+            self._pending_by_group.setdefault(item.group, {})[e] = item
+        self._pending_group_views = {
+            g: MappingProxyType(items) for g, items in self._pending_by_group.items()
+        }
         self._views = (
             MappingProxyType(self.in_flight),
             ReadOnlySequence(self.pending),
@@ -238,6 +252,9 @@ class Simulator:
             updating=self.updating,
             switch_to_train_s=self.costs.switch_to_train_s,
             switch_to_rollout_s=self.costs.switch_to_rollout_s,
+            group_ended=MappingProxyType(self._ended_views),
+            group_running=MappingProxyType(self._running_views),
+            pending_by_group=MappingProxyType(self._pending_group_views),
         )
 
     # -------------------------------------------------------------- actions
@@ -261,14 +278,25 @@ class Simulator:
                 f"({cell.load:g} + {item.demand:g} > {cell.capacity:g})"
             )
         del self.pending[e]
+        siblings = self._pending_by_group[item.group]
+        del siblings[e]
+        if not siblings:
+            del self._pending_by_group[item.group], self._pending_group_views[item.group]
         self.pending_count[item.batch] -= 1
         if self.pending_count[item.batch]:
             self.pending_demand[item.batch] -= item.demand
         else:
             del self.pending_demand[item.batch]  # exactly zero, no float dust
         start = max(self.now, cell.paused_until)
-        ex = Execution(e, item.batch, item.demand, cell_id, self.now, self.version)
+        ex = Execution(e, item.batch, item.demand, cell_id, self.now, self.version, item.group)
         self.in_flight[e] = ex
+        running = self._group_running.get(item.group)
+        if running is None:
+            running = self._group_running[item.group] = {}
+            self._group_ended[item.group] = []
+            self._running_views[item.group] = MappingProxyType(running)
+            self._ended_views[item.group] = ReadOnlySequence(self._group_ended[item.group])
+        running[e] = self.now
         self._host(cell, ex)
         self.tl.launch(e, self.now, self.version)
         if start > self.now:
@@ -340,7 +368,7 @@ class Simulator:
                 )
             self._unhost(leaving, ex.exec_id)
             moved = Execution(
-                ex.exec_id, ex.batch, ex.demand, best.cell_id, ex.launched_at, ex.launch_version
+                ex.exec_id, ex.batch, ex.demand, best.cell_id, ex.launched_at, ex.launch_version, ex.group
             )
             self.in_flight[ex.exec_id] = moved
             self._host(best, moved)
@@ -355,6 +383,8 @@ class Simulator:
         self.tl.end(e, self.now)
         self.unended[ex.batch] -= 1
         g = self.group_of[e]
+        del self._group_running[g][e]
+        self._group_ended[g].append(EndedExecution(self.now - ex.launched_at, self.timed_out[e]))
         self.group_left[g] -= 1
         if self.group_left[g] == 0:
             self.ready[ex.batch] += self.group_work[g]

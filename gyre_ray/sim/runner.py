@@ -4,18 +4,21 @@ With `tune=True` each policy gets its best knob on the very workload it is measu
 `async` its best fixed split (every split 1 .. C-1 trainers is simulated; one is cut short only
 once its clock passes the best makespan found so far, so it could not have won), `elastic` its best
 prefetch setting (eager, spare, trickle, and paced at 1 and 1.5 x the workload's longest
-execution; they differ only when eta >= 1). The sweeps are returned in `knobs`. Each policy's
+execution; they differ only when eta >= 1), and where the workload has a duration model, trickle
+and paced at 1 x again with the sibling launch order (`SIBLING_MODES`). The sweeps are returned in `knobs`. Each policy's
 bound uses the staleness it may exploit: colocate is on-policy whatever eta is, so its bound uses
 eta = 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from gyre_ray.scheduling.base import make_policy, policy_names
 from gyre_ray.scheduling.elastic import PREFETCH_MODES
+from gyre_ray.scheduling.launch_order import DurationPrior
 from gyre_ray.sim.bound import lower_bound
 from gyre_ray.sim.config import SimSection
 from gyre_ray.sim.engine import SimCosts, Simulator
@@ -75,7 +78,7 @@ def _run(
         return None
     result.lower_bound_s = lower_bound(wl, n_cells, eta, costs.optimizer_step_s).total_s
     result.label = label or policy
-    result.knobs = dict(knobs)
+    result.knobs = {k: dataclasses.asdict(v) if isinstance(v, DurationPrior) else v for k, v in knobs.items()}
     return result
 
 
@@ -122,10 +125,14 @@ def best_elastic(
     repay_factor: float = 1.0,
     prefetch: str | None = None,
     pace_s: float | None = None,
+    sibling: bool = True,
 ) -> SimResult:
     """`elastic` with `prefetch` as given, or (None) the fastest of its prefetch modes.
 
-    `paced` is tried at `PACE_FACTORS` x the workload's longest execution unless `pace_s` is given.
+    `paced` is tried at `PACE_FACTORS` x the workload's longest execution unless `pace_s` is given;
+    the modes in `SIBLING_MODES` (paced at the first pace) are tried again with the sibling launch
+    order where `duration_prior` finds a model (unless `sibling` is False: a launch order given by
+    the workload's ids, such as `longest_first`, is then kept).
     """
     if prefetch is not None or staleness == 0:  # without prefetch the modes decide the same
         mode = prefetch or PREFETCH_MODES[0]
@@ -144,8 +151,16 @@ def best_elastic(
     candidates: dict[str, dict[str, Any]] = {
         mode: {"prefetch": mode} for mode in PREFETCH_MODES if mode != "paced"
     }
-    for pace in [pace_s] if pace_s else _pace_grid(wl):
+    paces = [pace_s] if pace_s else _pace_grid(wl)
+    for pace in paces:
         candidates[f"paced:{pace:g}"] = {"prefetch": "paced", "pace_s": pace}
+    prior = duration_prior(wl) if sibling else None
+    if prior is not None:
+        for mode in SIBLING_MODES:
+            knobs = {"prefetch": mode, "launch_order": "sibling", "duration_prior": prior}
+            if mode == "paced":
+                knobs["pace_s"] = paces[0]
+            candidates[f"{mode}:sibling" if mode != "paced" else f"paced:{paces[0]:g}:sibling"] = knobs
     runs = {
         label: run_policy(
             wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, **knobs
@@ -158,6 +173,17 @@ def best_elastic(
 
 
 PACE_FACTORS = (1.0, 1.5)
+# prefetch modes `best_elastic` also tries with the sibling launch order: where it won in the
+# 8-step sweep (docs/scheduling.md); eager launches a batch at once, so its order matters little
+SIBLING_MODES = ("trickle", "paced")
+
+
+def duration_prior(wl: SampledWorkload) -> DurationPrior | None:
+    """The workload's duration model as the sibling order's prior; None for a trace or a degenerate model."""
+    model = wl.spec.duration
+    if model is None or model.sigma_log_hours <= 0 or not 0 < model.rho < 1:
+        return None
+    return DurationPrior.from_hours(model.mu_log_hours, model.sigma_log_hours, model.rho, model.timeout_hours)
 
 
 def _pace_grid(wl: SampledWorkload) -> list[float]:
