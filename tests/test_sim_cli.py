@@ -52,9 +52,16 @@ def test_simulate_table_and_plot(small: str, tmp_path: Path, capsys) -> None:
     png = tmp_path / "timeline.png"
     args = ["--steps", "2", "--cells", "3", "--policies", "colocate,elastic", "--plot", str(png)]
     code = main(["simulate", "--workload", small, *args])
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert code == 0
     assert "colocate" in out and "elastic" in out and "async" not in out.split("\n", 2)[2]
+    # progress on stderr: each policy, and each elastic candidate as it finishes
+    progress = captured.err.splitlines()
+    assert progress[0].startswith("gyre-ray simulate: colocate: ") and progress[-1].startswith(
+        "gyre-ray simulate: elastic: "
+    )
+    assert any(line.startswith("gyre-ray simulate: elastic trickle: ") for line in progress)
     assert "elastic vs colocate" in out and f"wrote {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

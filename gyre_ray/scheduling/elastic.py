@@ -107,7 +107,7 @@ class ElasticPolicy(Policy):
             return []
         free = free_rollout_capacity(state)
         room = sum(free.values())
-        if self._sibling is not None and room > EPS:
+        if self._sibling is not None and room > EPS and state.launchable_demand() > EPS:
             state = dataclasses.replace(state, pending=ReadOnlySequence(self._sibling.order(state, room)))
         capacity = sum(c.rollout_capacity for c in state.cells_in(Role.ROLLOUT))
         in_flight = sum(c.load for c in state.cells) + state.queued_demand

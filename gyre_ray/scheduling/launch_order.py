@@ -95,9 +95,12 @@ class SiblingOrder:
                 g: len(state.group_running.get(g, ())) + len(state.group_ended.get(g, ())) for g in tasks
             }
             probes = [next(iter(items.values())) for g, items in tasks.items() if launched[g] == 0]
-            probe_ids = {p.exec_id for p in probes}
             ranked = sorted(tasks, key=lambda g: (-scores[g], -launched[g], g))
-            rest = (item for g in ranked for item in tasks[g].values() if item.exec_id not in probe_ids)
+            rest = (
+                item
+                for g in ranked
+                for item in itertools.islice(tasks[g].values(), 1 if launched[g] == 0 else 0, None)
+            )
             ordered.extend(_cut(itertools.chain(probes, rest), room))
         return ordered
 

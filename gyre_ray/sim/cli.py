@@ -121,6 +121,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
             repay_factor=sched.elastic_repay_factor,
             prefetch=sched.elastic_prefetch,
             pace_s=sched.elastic_pace_s if sched.elastic_prefetch == "paced" else None,
+            progress=_progress_line,
         )
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))
@@ -221,6 +222,11 @@ def format_report(report: dict[str, Any]) -> str:
     for key, value in report.get("speedups", {}).items():
         lines.append(f"{key.replace('_', ' ')}: {value:.3f}x")
     return "\n".join(lines)
+
+
+def _progress_line(message: str) -> None:
+    """`simulate` reports each finished policy (and elastic candidate) on stderr: runs can take minutes."""
+    print(f"gyre-ray simulate: {message}", file=sys.stderr, flush=True)
 
 
 def _plan_command(args: argparse.Namespace) -> int:

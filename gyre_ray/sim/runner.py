@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from gyre_ray.scheduling.base import make_policy, policy_names
@@ -126,6 +128,7 @@ def best_elastic(
     prefetch: str | None = None,
     pace_s: float | None = None,
     sibling: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> SimResult:
     """`elastic` with `prefetch` as given, or (None) the fastest of its prefetch modes.
 
@@ -161,12 +164,17 @@ def best_elastic(
             if mode == "paced":
                 knobs["pace_s"] = paces[0]
             candidates[f"{mode}:sibling" if mode != "paced" else f"paced:{paces[0]:g}:sibling"] = knobs
-    runs = {
-        label: run_policy(
+    runs: dict[str, SimResult] = {}
+    for label, knobs in candidates.items():
+        started = time.monotonic()
+        runs[label] = run_policy(
             wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, **knobs
         )
-        for label, knobs in candidates.items()
-    }
+        if progress is not None:
+            progress(
+                f"elastic {label}: {runs[label].makespan_s / 3600:.2f} h "
+                f"({len(runs)}/{len(candidates)}, {time.monotonic() - started:.1f} s)"
+            )
     best = min(runs.values(), key=lambda r: r.makespan_s)
     best.knobs["sweep_makespan_s"] = {label: round(r.makespan_s, 3) for label, r in runs.items()}
     return best
@@ -204,8 +212,12 @@ def simulate(
     repay_factor: float = 1.0,
     prefetch: str = "eager",
     pace_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, SimResult]:
-    """Every named policy on the same workload, keyed by policy name (see the module docstring)."""
+    """Every named policy on the same workload, keyed by policy name (see the module docstring).
+
+    `progress`, if given, gets a line after each policy and after each elastic candidate (the
+    sibling-order runs take seconds to tens of seconds each at 48 steps)."""
     known = policy_names()
     unknown = [p for p in policies if p not in known]
     if unknown:
@@ -217,7 +229,11 @@ def simulate(
             results[name] = best_async(wl, n_cells, staleness, costs, record, split)
         elif name == "elastic":
             mode = None if tune else prefetch
-            results[name] = best_elastic(wl, n_cells, staleness, costs, record, repay_factor, mode, pace_s)
+            results[name] = best_elastic(
+                wl, n_cells, staleness, costs, record, repay_factor, mode, pace_s, progress=progress
+            )
         else:
             results[name] = run_policy(wl, name, n_cells, staleness, costs, record)
+        if progress is not None:
+            progress(f"{name}: {results[name].makespan_s / 3600:.2f} h")
     return results
