@@ -170,3 +170,48 @@ def test_costs_file_has_exactly_the_contract_keys(tmp_path) -> None:
     del costs["makespan_s"]
     with pytest.raises(KeyError, match="makespan_s"):
         write_costs(tmp_path, costs)
+
+
+PRIOR_HOURS = {"mu_log_hours": -0.916, "sigma_log_hours": 0.55, "rho": 0.6, "timeout_hours": 1.5}
+
+
+def test_the_sibling_launch_order_is_configured_with_its_prior_or_refused() -> None:
+    section = SchedulerSection(elastic_launch_order="sibling", elastic_duration_prior=PRIOR_HOURS)
+    policy = policy_from_section(section, 2)
+    assert isinstance(policy, ElasticPolicy) and policy.launch_order == "sibling"
+    assert section.duration_prior().timeout_s == pytest.approx(5400.0)
+    with pytest.raises(
+        ValueError, match="elastic_launch_order=sibling needs scheduler.elastic_duration_prior"
+    ):
+        SchedulerSection(elastic_launch_order="sibling")
+    with pytest.raises(ValueError, match="rho"):
+        SchedulerSection(elastic_duration_prior={**PRIOR_HOURS, "rho": 1.0})
+    assert policy_from_section(SchedulerSection(), 2).launch_order == "fifo"
+
+
+def test_the_state_carries_each_tasks_history_and_the_sibling_order_uses_it() -> None:
+    # 2 tasks of 3 executions in batch 0: task 0 = executions 0-2, task 1 = 3-5
+    ledger = ExecutionLedger.planned([0] * 6, [0, 0, 0, 1, 1, 1])
+    ledger.launch(0, 0, now=0.0)
+    ledger.launch(3, 0, now=0.0)
+    ledger.end(0, ran_s=120.0)  # task 0's first execution ended after 2 minutes: a short task
+    state = build_state(3600.0, 0, 2, 1, cells(1, 2.0), ledger, 0, COSTS)
+    assert state.group_running == {1: {3: 0.0}}
+    assert [(e.ran_s, e.timed_out) for e in state.group_ended[0]] == [(120.0, False)]
+    assert [p.group for p in state.pending] == [0, 0, 1, 1] and state.in_flight[3].group == 1
+    section = SchedulerSection(elastic_launch_order="sibling", elastic_duration_prior=PRIOR_HOURS)
+    sibling = policy_from_section(section, 1).decide(state)
+    fifo = policy_from_section(SchedulerSection(), 1).decide(state)
+    # one free slot: FIFO launches task 0's next execution, the sibling order task 1's (running for 1 h)
+    assert [a.exec_id for a in fifo if isinstance(a, Launch)] == [1]
+    assert [a.exec_id for a in sibling if isinstance(a, Launch)] == [4]
+
+
+def test_a_ledger_without_tasks_gives_no_history() -> None:
+    ledger = ledger_with(3, {0: 0})
+    ledger.end(0, ran_s=5.0, timed_out=True)
+    state = build_state(10.0, 0, 1, 0, cells(1, 2.0), ledger, 0, COSTS)
+    assert state.group_ended == {} and state.group_running == {}
+    assert {p.group for p in state.pending} == {-1}
+    with pytest.raises(ValueError, match="group_of has 2 entries for 3 executions"):
+        ExecutionLedger.planned([0, 0, 0], [0, 1])

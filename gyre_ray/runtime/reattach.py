@@ -95,7 +95,7 @@ class SchedulerReattach:
             if exec_id in state.outcomes:
                 outcome = ExecutionOutcome(**state.outcomes[exec_id])
                 self.outcomes[exec_id] = outcome
-                self.ledger.end(exec_id)
+                self.ledger.end(exec_id, outcome.duration_s, outcome.timed_out)
                 self.recorder.ended(exec_id, 0.0, outcome)
                 counts["ended"] += 1
                 continue

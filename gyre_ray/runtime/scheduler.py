@@ -154,10 +154,11 @@ class RunScheduler(CellRecovery, SchedulerReattach):
             ]
             batch_of += [step] * len(items)
         self.steps = steps
-        self.ledger = ExecutionLedger.planned(batch_of)
         self.groups: dict[str, list[int]] = {}
         for e, item in enumerate(self.planned):
             self.groups.setdefault(item.group, []).append(e)
+        task_index = {g: i for i, g in enumerate(self.groups)}
+        self.ledger = ExecutionLedger.planned(batch_of, [task_index[item.group] for item in self.planned])
         self.group_batch = {g: batch_of[es[0]] for g, es in self.groups.items()}
         batches = range(first_step, steps)
         self.streams: dict[int, MicroBatchStream] = {b: MicroBatchStream() for b in batches}
@@ -424,7 +425,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         now = self._now()
         self.outcomes[run.exec_id] = outcome
         self.journal.ended(run.exec_id, outcome.to_dict())
-        self.ledger.end(run.exec_id)
+        self.ledger.end(run.exec_id, outcome.duration_s, outcome.timed_out)
         self.recorder.ended(run.exec_id, now, outcome)
         self.recorder.loads(self, now)
         self._process_if_ended(self.planned[run.exec_id].group, now)

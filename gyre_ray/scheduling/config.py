@@ -7,9 +7,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gyre_ray.configbase import Section
+from gyre_ray.scheduling.launch_order import DurationPrior
+
+
+class DurationPriorSection(Section):
+    """A duration model in log hours, as the simulator's workloads give it (`sim/presets.py`)."""
+
+    mu_log_hours: float = Field(description="Mean of log duration (log hours).")
+    sigma_log_hours: float = Field(gt=0, description="Standard deviation of log duration (log hours).")
+    rho: float = Field(gt=0, lt=1, description="Share of log-duration variance common to a task.")
+    timeout_hours: float = Field(gt=0, description="The executions' timeout (hours).")
 
 
 class SchedulerSection(Section):
@@ -37,6 +47,17 @@ class SchedulerSection(Section):
         description="elastic, prefetch 'paced': seconds after the trainable batch's latest launch by which "
         "its queued training should be done (the simulator tries 1 and 1.5 x the longest execution).",
     )
+    elastic_launch_order: Literal["fifo", "sibling"] = Field(
+        "fifo",
+        description="elastic: which pending executions of a batch launch first; 'fifo' in id order, "
+        "'sibling' by what each task's launched executions showed so far (needs "
+        "elastic_duration_prior; docs/scheduling.md, 'launch order').",
+    )
+    elastic_duration_prior: DurationPriorSection | None = Field(
+        None,
+        description="elastic, launch order 'sibling': the tasks' duration model (log D ~ N(mu, sigma) in "
+        "log hours, a share rho common to a task, capped at timeout_hours).",
+    )
     async_train_cells: int = Field(
         0,
         ge=0,
@@ -44,6 +65,22 @@ class SchedulerSection(Section):
         "0 = half the cells, rounded down, at least 1 (the simulator with sim.tune_knobs instead tries "
         "every split and keeps the best).",
     )
+
+    @model_validator(mode="after")
+    def _sibling_needs_a_prior(self) -> SchedulerSection:
+        if self.elastic_launch_order == "sibling" and self.elastic_duration_prior is None:
+            raise ValueError(
+                "scheduler.elastic_launch_order=sibling needs scheduler.elastic_duration_prior "
+                "(mu_log_hours, sigma_log_hours, rho, timeout_hours)"
+            )
+        return self
+
+    def duration_prior(self) -> DurationPrior | None:
+        """The sibling order's prior from `elastic_duration_prior` (None when not set)."""
+        d = self.elastic_duration_prior
+        if d is None:
+            return None
+        return DurationPrior.from_hours(d.mu_log_hours, d.sigma_log_hours, d.rho, d.timeout_hours)
 
     def async_split(self, num_cells: int) -> int:
         """Cells that train under `async` on `num_cells` cells (`async_train_cells`, 0 = half, at least 1)."""

@@ -24,6 +24,7 @@ from gyre_ray.scheduling.base import Policy, make_policy
 from gyre_ray.scheduling.config import SchedulerSection
 from gyre_ray.scheduling.state import (
     CellState,
+    EndedExecution,
     Execution,
     PendingExecution,
     ReadOnlySequence,
@@ -84,11 +85,16 @@ class ExecutionLedger:
     launched_at: dict[int, float] = field(default_factory=dict)
     launch_version: dict[int, int] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
+    group_of: list[int] = field(default_factory=list)  # task index of each execution (empty: unknown)
+    ended_how: dict[int, EndedExecution] = field(default_factory=dict)  # seconds run, timed out
 
     @classmethod
-    def planned(cls, batch_of: list[int]) -> ExecutionLedger:
-        """`batch_of[e]` is the batch (RL step) of execution e; executions launch in index order."""
-        return cls(batch_of=list(batch_of), pending=list(range(len(batch_of))))
+    def planned(cls, batch_of: list[int], group_of: list[int] | None = None) -> ExecutionLedger:
+        """`batch_of[e]` is the batch (RL step) of execution e, `group_of[e]` its task (optional, for the
+        sibling launch order); executions launch in index order."""
+        if group_of is not None and len(group_of) != len(batch_of):
+            raise ValueError(f"group_of has {len(group_of)} entries for {len(batch_of)} executions")
+        return cls(batch_of=list(batch_of), pending=list(range(len(batch_of))), group_of=list(group_of or []))
 
     @property
     def total(self) -> int:
@@ -100,9 +106,15 @@ class ExecutionLedger:
         self.launched_at[exec_id] = now
         self.launch_version[exec_id] = version
 
-    def end(self, exec_id: int) -> None:
+    def end(self, exec_id: int, ran_s: float | None = None, timed_out: bool = False) -> None:
+        """Mark `exec_id` ended; `ran_s` (how long it ran) feeds its task's history when given."""
         self.hosted.pop(exec_id, None)
         self.ended.add(exec_id)
+        if ran_s is not None:
+            self.ended_how[exec_id] = EndedExecution(max(0.0, float(ran_s)), bool(timed_out))
+
+    def group(self, exec_id: int) -> int:
+        return self.group_of[exec_id] if self.group_of else -1
 
     def on_cell(self, cell: int) -> list[int]:
         return [e for e, c in self.hosted.items() if c == cell]
@@ -162,13 +174,28 @@ def build_state(
             )
         )
     in_flight = {
-        e: Execution(e, ledger.batch_of[e], 1.0, cell, ledger.launched_at[e], ledger.launch_version.get(e, 0))
+        e: Execution(
+            e,
+            ledger.batch_of[e],
+            1.0,
+            cell,
+            ledger.launched_at[e],
+            ledger.launch_version.get(e, 0),
+            ledger.group(e),
+        )
         for e, cell in ledger.hosted.items()
     }
     by_cell: dict[int, dict[int, Execution]] = {}
     for e, ex in in_flight.items():
         by_cell.setdefault(ex.cell_id, {})[e] = ex
-    pending = [PendingExecution(e, ledger.batch_of[e], 1.0) for e in ledger.pending]
+    pending = [PendingExecution(e, ledger.batch_of[e], 1.0, ledger.group(e)) for e in ledger.pending]
+    group_running: dict[int, dict[int, float]] = {}
+    group_ended: dict[int, list[EndedExecution]] = {}
+    if ledger.group_of:
+        for e in ledger.hosted:
+            group_running.setdefault(ledger.group_of[e], {})[e] = ledger.launched_at[e]
+        for e, how in ledger.ended_how.items():
+            group_ended.setdefault(ledger.group_of[e], []).append(how)
     demand: dict[int, float] = {}
     for p in pending:
         demand[p.batch] = demand.get(p.batch, 0.0) + 1.0
@@ -188,6 +215,8 @@ def build_state(
         switch_to_train_s=costs.switch_to_train_s,
         switch_to_rollout_s=costs.switch_to_rollout_s,
         queued_demand=queued_demand_of(cells, loads, waiting_calls or {}),
+        group_ended=group_ended,
+        group_running=group_running,
     )
 
 
@@ -236,6 +265,8 @@ def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
             repay_factor=section.elastic_repay_factor,
             prefetch=section.elastic_prefetch,
             pace_s=section.elastic_pace_s,
+            launch_order=section.elastic_launch_order,
+            duration_prior=section.duration_prior(),
         )
     if section.policy == "async":
         return make_policy("async", train_cells=section.async_split(num_cells))
