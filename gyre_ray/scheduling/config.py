@@ -11,15 +11,7 @@ from pydantic import Field, model_validator
 
 from gyre_ray.configbase import Section
 from gyre_ray.scheduling.launch_order import DurationPrior
-
-
-class DurationPriorSection(Section):
-    """A duration model in log hours, as the simulator's workloads give it (`sim/presets.py`)."""
-
-    mu_log_hours: float = Field(description="Mean of log duration (log hours).")
-    sigma_log_hours: float = Field(gt=0, description="Standard deviation of log duration (log hours).")
-    rho: float = Field(gt=0, lt=1, description="Share of log-duration variance common to a task.")
-    timeout_hours: float = Field(gt=0, description="The executions' timeout (hours).")
+from gyre_ray.sim.workload import DurationModel
 
 
 class SchedulerSection(Section):
@@ -53,10 +45,11 @@ class SchedulerSection(Section):
         "'sibling' by what each task's launched executions showed so far (needs "
         "elastic_duration_prior; docs/scheduling.md, 'launch order').",
     )
-    elastic_duration_prior: DurationPriorSection | None = Field(
+    elastic_duration_prior: DurationModel | None = Field(
         None,
-        description="elastic, launch order 'sibling': the tasks' duration model (log D ~ N(mu, sigma) in "
-        "log hours, a share rho common to a task, capped at timeout_hours).",
+        description="elastic, launch order 'sibling': the tasks' duration model, as a workload's "
+        "`duration` gives it (mu_log_hours, sigma_log_hours > 0, 0 < rho < 1, timeout_hours; "
+        "runaway_fraction is not used).",
     )
     async_train_cells: int = Field(
         0,
@@ -73,14 +66,13 @@ class SchedulerSection(Section):
                 "scheduler.elastic_launch_order=sibling needs scheduler.elastic_duration_prior "
                 "(mu_log_hours, sigma_log_hours, rho, timeout_hours)"
             )
+        self.duration_prior()  # a degenerate model is refused here, not when the scheduler starts
         return self
 
     def duration_prior(self) -> DurationPrior | None:
         """The sibling order's prior from `elastic_duration_prior` (None when not set)."""
-        d = self.elastic_duration_prior
-        if d is None:
-            return None
-        return DurationPrior.from_hours(d.mu_log_hours, d.sigma_log_hours, d.rho, d.timeout_hours)
+        model = self.elastic_duration_prior
+        return None if model is None else DurationPrior.from_model(model)
 
     def async_split(self, num_cells: int) -> int:
         """Cells that train under `async` on `num_cells` cells (`async_train_cells`, 0 = half, at least 1)."""

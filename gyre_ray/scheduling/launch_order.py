@@ -26,6 +26,7 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -55,8 +56,23 @@ class DurationPrior:
     def from_hours(
         cls, mu_log_hours: float, sigma_log_hours: float, rho: float, timeout_hours: float
     ) -> DurationPrior:
-        """The prior from a model given in log hours (the simulator's `DurationModel`)."""
+        """The prior from a model given in log hours."""
         return cls(mu_log_hours + math.log(3600.0), sigma_log_hours, rho, timeout_hours * 3600.0)
+
+    @classmethod
+    def from_model(cls, model: HoursModel) -> DurationPrior:
+        """The prior from a duration model in log hours (`gyre_ray.sim.workload.DurationModel`, as a
+        workload or the `scheduler` section gives it); ValueError if it is degenerate."""
+        return cls.from_hours(model.mu_log_hours, model.sigma_log_hours, model.rho, model.timeout_hours)
+
+
+class HoursModel(Protocol):
+    """What `DurationPrior.from_model` reads: the fields of the simulator's `DurationModel`."""
+
+    mu_log_hours: float
+    sigma_log_hours: float
+    rho: float
+    timeout_hours: float
 
 
 def _log_sf(x: np.ndarray) -> np.ndarray:

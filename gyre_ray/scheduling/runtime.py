@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from types import MappingProxyType
 
 from gyre_ray.scheduling.base import Policy, make_policy
 from gyre_ray.scheduling.config import SchedulerSection
@@ -86,7 +87,8 @@ class ExecutionLedger:
     launch_version: dict[int, int] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
     group_of: list[int] = field(default_factory=list)  # task index of each execution (empty: unknown)
-    ended_how: dict[int, EndedExecution] = field(default_factory=dict)  # seconds run, timed out
+    # per task, how its ended executions ended (kept as they end: `build_state` hands it over as is)
+    ended_by_group: dict[int, list[EndedExecution]] = field(default_factory=dict)
 
     @classmethod
     def planned(cls, batch_of: list[int], group_of: list[int] | None = None) -> ExecutionLedger:
@@ -110,8 +112,9 @@ class ExecutionLedger:
         """Mark `exec_id` ended; `ran_s` (how long it ran) feeds its task's history when given."""
         self.hosted.pop(exec_id, None)
         self.ended.add(exec_id)
-        if ran_s is not None:
-            self.ended_how[exec_id] = EndedExecution(max(0.0, float(ran_s)), bool(timed_out))
+        if ran_s is not None and self.group_of:
+            how = EndedExecution(max(0.0, float(ran_s)), bool(timed_out))
+            self.ended_by_group.setdefault(self.group_of[exec_id], []).append(how)
 
     def group(self, exec_id: int) -> int:
         return self.group_of[exec_id] if self.group_of else -1
@@ -190,12 +193,9 @@ def build_state(
         by_cell.setdefault(ex.cell_id, {})[e] = ex
     pending = [PendingExecution(e, ledger.batch_of[e], 1.0, ledger.group(e)) for e in ledger.pending]
     group_running: dict[int, dict[int, float]] = {}
-    group_ended: dict[int, list[EndedExecution]] = {}
     if ledger.group_of:
         for e in ledger.hosted:
             group_running.setdefault(ledger.group_of[e], {})[e] = ledger.launched_at[e]
-        for e, how in ledger.ended_how.items():
-            group_ended.setdefault(ledger.group_of[e], []).append(how)
     demand: dict[int, float] = {}
     for p in pending:
         demand[p.batch] = demand.get(p.batch, 0.0) + 1.0
@@ -215,7 +215,7 @@ def build_state(
         switch_to_train_s=costs.switch_to_train_s,
         switch_to_rollout_s=costs.switch_to_rollout_s,
         queued_demand=queued_demand_of(cells, loads, waiting_calls or {}),
-        group_ended=group_ended,
+        group_ended=MappingProxyType(ledger.ended_by_group),
         group_running=group_running,
     )
 

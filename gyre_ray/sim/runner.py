@@ -80,7 +80,7 @@ def _run(
         return None
     result.lower_bound_s = lower_bound(wl, n_cells, eta, costs.optimizer_step_s).total_s
     result.label = label or policy
-    result.knobs = {k: dataclasses.asdict(v) if isinstance(v, DurationPrior) else v for k, v in knobs.items()}
+    result.knobs = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in knobs.items()}
     return result
 
 
@@ -159,11 +159,12 @@ def best_elastic(
         candidates[f"paced:{pace:g}"] = {"prefetch": "paced", "pace_s": pace}
     prior = duration_prior(wl) if sibling else None
     if prior is not None:
-        for mode in SIBLING_MODES:
-            knobs = {"prefetch": mode, "launch_order": "sibling", "duration_prior": prior}
-            if mode == "paced":
-                knobs["pace_s"] = paces[0]
-            candidates[f"{mode}:sibling" if mode != "paced" else f"paced:{paces[0]:g}:sibling"] = knobs
+        for label in [m if m != "paced" else f"paced:{paces[0]:g}" for m in SIBLING_MODES]:
+            candidates[f"{label}:sibling"] = {
+                **candidates[label],
+                "launch_order": "sibling",
+                "duration_prior": prior,
+            }
     runs: dict[str, SimResult] = {}
     for label, knobs in candidates.items():
         started = time.monotonic()
@@ -188,10 +189,12 @@ SIBLING_MODES = ("trickle", "paced")
 
 def duration_prior(wl: SampledWorkload) -> DurationPrior | None:
     """The workload's duration model as the sibling order's prior; None for a trace or a degenerate model."""
-    model = wl.spec.duration
-    if model is None or model.sigma_log_hours <= 0 or not 0 < model.rho < 1:
+    if wl.spec.duration is None:
         return None
-    return DurationPrior.from_hours(model.mu_log_hours, model.sigma_log_hours, model.rho, model.timeout_hours)
+    try:
+        return DurationPrior.from_model(wl.spec.duration)
+    except ValueError:  # sigma 0 or rho 0 or 1: siblings say nothing the prior does not
+        return None
 
 
 def _pace_grid(wl: SampledWorkload) -> list[float]:
