@@ -103,6 +103,30 @@ def test_posterior_mean_rises_with_what_the_siblings_ran() -> None:
     assert at[0] < at[1]
 
 
+def test_tasks_with_the_same_history_tie_exactly_whatever_else_is_ranked() -> None:
+    # ties must not hang on rounding: tasks 1 and 3 ran the same, so their means are equal floats,
+    # the same as when each is ranked alone, and the tie goes to the task id
+    ended = {g: [EndedExecution(0.3 * HOUR, False), EndedExecution(0.9 * HOUR, False)] for g in (1, 3)}
+    ended[2] = [EndedExecution(1.5 * HOUR, True)]
+    running = {g: {10 + g: 0.2 * HOUR} for g in (1, 2, 3)}
+    s = state([(0, 0, 3), (1, 0, 2), (2, 0, 1)], ended=ended, running=running)
+    order = SiblingOrder(PRIOR)
+    together = order.posterior_means(s, [1, 2, 3, 4])
+    assert together[0] == together[2] == order.posterior_means(s, [3])[0] == order.posterior_means(s, [1])[0]
+    assert together[3] == order.posterior_means(state([(0, 0, 4)]), [4])[0]  # untouched: the prior
+    assert ids(order.order(s)) == [1, 2, 0]  # task 2 (timed out) first, then tasks 1 and 3 by id
+
+
+def test_a_task_whose_history_grows_is_scored_anew() -> None:
+    # the ended executions' likelihood is kept per history: one more end must change the score
+    order = SiblingOrder(PRIOR)
+    one = {1: [EndedExecution(0.1 * HOUR, False)]}
+    two = {1: [EndedExecution(0.1 * HOUR, False), EndedExecution(0.1 * HOUR, False)]}
+    first = order.posterior_means(state([(0, 0, 1)], ended=one), [1])[0]
+    assert order.posterior_means(state([(0, 0, 1)], ended=two), [1])[0] < first
+    assert order.posterior_means(state([(0, 0, 1)], ended=one), [1])[0] == first
+
+
 def test_batches_stay_oldest_first_and_unlaunchable_ones_are_left_out() -> None:
     s = state(
         [(0, 0, 1), (1, 1, 5), (2, 1, 6), (3, 2, 9)],
@@ -144,7 +168,8 @@ def test_elastic_launches_in_the_sibling_order() -> None:
 
 
 class _Spy:
-    """Wraps a policy and checks, at every decision, the task history the simulator shows it."""
+    """Wraps a policy and checks, at every decision, the task history and the per-batch in-flight
+    demand the simulator shows it."""
 
     name = "spy"
 
@@ -165,6 +190,11 @@ class _Spy:
             for item in ended:
                 assert item.ran_s >= 0
             assert len(ended) + len(s.group_running[g]) <= int(np.sum(self.wl.group == g))
+        # the simulator's per-batch in-flight demand is the sum over what is in flight
+        assert s.in_flight_demand_by_batch is not None
+        for b in range(s.steps_total):
+            fresh = sum(e.demand for e in s.in_flight.values() if e.batch <= b)
+            assert s.in_flight_demand(b) == pytest.approx(fresh, abs=1e-9)
         self.checked += 1
         self.last = s
         return self.inner.decide(s)

@@ -255,7 +255,7 @@ def _trickle_room(
 ) -> dict[int, float]:
     """`trickle`: room for later batches only inside the cells the trainable batch needs anyway."""
     v = state.policy_version
-    current = sum(e.demand for e in state.in_flight.values() if e.batch <= v)
+    current = state.in_flight_demand(v)
     current += sum(sum(items) for items in placed.values()) + state.queued_demand
     if current <= EPS:
         return free

@@ -30,13 +30,14 @@ from typing import Protocol
 
 import numpy as np
 
-from gyre_ray.scheduling.state import PendingExecution, SchedState
+from gyre_ray.scheduling.state import EndedExecution, PendingExecution, SchedState
 
 _GRID = np.linspace(-4.0, 4.0, 41)  # standard-normal task effect Z_task
 _LOG_PRIOR = -0.5 * _GRID**2
 # log P(N(0, 1) > x) on [-8, 8], tabulated once for np.interp
 _X = np.linspace(-8.0, 8.0, 1601)
 _LOG_SF = np.log(np.array([0.5 * math.erfc(x / math.sqrt(2.0)) for x in _X]))
+_CACHE_LIMIT = 100_000  # task histories whose likelihood is kept (a 48-step run has about 3,000 tasks)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class SiblingOrder:
         self._task_mean = prior.mu_log_s + math.sqrt(prior.rho) * prior.sigma_log * _GRID  # log seconds
         self._exec_sd = math.sqrt(1.0 - prior.rho) * prior.sigma_log
         self._log_timeout = math.log(prior.timeout_s)
+        self._ended_cache: dict[tuple[EndedExecution, ...], np.ndarray] = {}
+        self._prior_mean = self._means(_LOG_PRIOR[None, :])[0]
 
     def order(self, state: SchedState, room: float = math.inf) -> list[PendingExecution]:
         """The launchable pending executions, batch by batch, best first (later batches omitted).
@@ -121,34 +124,69 @@ class SiblingOrder:
         return ordered
 
     def posterior_means(self, state: SchedState, groups: Iterable[int]) -> list[float]:
-        """Posterior mean of each task's log median duration (log seconds) given its launched executions."""
+        """Posterior mean of each task's log median duration (log seconds) given its launched executions.
+
+        A task nobody launched has the prior mean; a task's ended executions are folded into its
+        log-likelihood once per history (cached by content), its running ones at every call.
+        """
         groups = list(groups)
-        if not groups:
-            return []
-        ll = np.tile(_LOG_PRIOR, (len(groups), 1))
-        dense_rows, dense_logs, censored_rows, censored_logs = [], [], [], []
-        for row, g in enumerate(groups):
-            for ended in state.group_ended.get(g, ()):
-                if ended.timed_out or ended.ran_s >= self.prior.timeout_s:
-                    censored_rows.append(row)
-                    censored_logs.append(self._log_timeout)
-                elif ended.ran_s > 0:
-                    dense_rows.append(row)
-                    dense_logs.append(math.log(ended.ran_s))
-            for launched_at in state.group_running.get(g, {}).values():
+        means = [self._prior_mean] * len(groups)
+        rows: list[np.ndarray] = []
+        positions: list[int] = []
+        running_rows: list[int] = []
+        running_logs: list[float] = []
+        for position, g in enumerate(groups):
+            ended = state.group_ended.get(g, ())
+            running = state.group_running.get(g, {})
+            if not ended and not running:
+                continue
+            row = len(rows)
+            rows.append(self._ended_log_likelihood(tuple(ended)))
+            positions.append(position)
+            for launched_at in running.values():
                 elapsed = state.now - launched_at
                 if elapsed > 0:
-                    censored_rows.append(row)
-                    censored_logs.append(math.log(elapsed))
-        if dense_rows:
-            z = (np.asarray(dense_logs)[:, None] - self._task_mean[None, :]) / self._exec_sd
-            np.add.at(ll, np.asarray(dense_rows), -0.5 * z * z)
-        if censored_rows:
-            z = (np.asarray(censored_logs)[:, None] - self._task_mean[None, :]) / self._exec_sd
-            np.add.at(ll, np.asarray(censored_rows), _log_sf(z))
+                    running_rows.append(row)
+                    running_logs.append(math.log(elapsed))
+        if not rows:
+            return means
+        ll = np.array(rows)
+        if running_rows:
+            z = (np.asarray(running_logs)[:, None] - self._task_mean[None, :]) / self._exec_sd
+            np.add.at(ll, np.asarray(running_rows), _log_sf(z))
+        for position, mean in zip(positions, self._means(ll), strict=True):
+            means[position] = mean
+        return means
+
+    def _means(self, ll: np.ndarray) -> list[float]:
+        """Posterior means, row by row (each row's sums do not depend on the other rows, so tasks
+        with the same history tie exactly)."""
         weights = np.exp(ll - ll.max(axis=1, keepdims=True))
-        means = (weights @ self._task_mean) / weights.sum(axis=1)
-        return means.tolist()
+        return ((weights * self._task_mean).sum(axis=1) / weights.sum(axis=1)).tolist()
+
+    def _ended_log_likelihood(self, ended: tuple[EndedExecution, ...]) -> np.ndarray:
+        """Log prior plus the log-likelihood of a task's ended executions, over the task-effect grid."""
+        cached = self._ended_cache.get(ended)
+        if cached is not None:
+            return cached
+        dense = [math.log(e.ran_s) for e in ended if not self._censored(e) and e.ran_s > 0]
+        censored = [self._log_timeout for e in ended if self._censored(e)]
+        ll = _LOG_PRIOR.copy()
+        if dense:
+            z = (np.asarray(dense)[:, None] - self._task_mean[None, :]) / self._exec_sd
+            for term in -0.5 * z * z:  # added in end order
+                ll += term
+        if censored:
+            z = (np.asarray(censored)[:, None] - self._task_mean[None, :]) / self._exec_sd
+            for term in _log_sf(z):
+                ll += term
+        if len(self._ended_cache) >= _CACHE_LIMIT:
+            self._ended_cache.clear()
+        self._ended_cache[ended] = ll
+        return ll
+
+    def _censored(self, ended: EndedExecution) -> bool:
+        return ended.timed_out or ended.ran_s >= self.prior.timeout_s
 
 
 def _tasks_by_batch(state: SchedState, last: int) -> dict[int, dict[int, Mapping[int, PendingExecution]]]:

@@ -176,6 +176,8 @@ class SchedState:
         in `pending` order. All three are empty where the backend does not track tasks (then
         `launch_order="sibling"` is FIFO); the last is an index a backend may leave out (the order
         is then derived from `pending`).
+    in_flight_demand_by_batch: total demand of the executions in flight of each batch (absent = 0),
+        an index a backend may leave out (None: derived from `in_flight`).
     """
 
     now: float
@@ -196,6 +198,7 @@ class SchedState:
     group_ended: Mapping[int, Sequence[EndedExecution]] = field(default_factory=dict)
     group_running: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
     pending_by_group: Mapping[int, Mapping[int, PendingExecution]] = field(default_factory=dict)
+    in_flight_demand_by_batch: Mapping[int, float] | None = None
 
     def launchable(self, batch: int) -> bool:
         """Whether an execution of `batch` may be launched now without exceeding the staleness bound."""
@@ -206,6 +209,12 @@ class SchedState:
         lag = self.staleness if max_lag is None else min(max_lag, self.staleness)
         last = min(self.steps_total - 1, self.policy_version + lag)
         return sum(self.pending_demand.get(b, 0.0) for b in range(self.policy_version, last + 1))
+
+    def in_flight_demand(self, through_batch: int) -> float:
+        """Demand of the executions in flight whose batch is at most `through_batch`."""
+        if self.in_flight_demand_by_batch is not None:
+            return sum(d for b, d in self.in_flight_demand_by_batch.items() if b <= through_batch)
+        return sum(e.demand for e in self.in_flight.values() if e.batch <= through_batch)
 
     def cells_in(self, role: Role) -> list[CellState]:
         """Cells that have, or are switching to, `role`."""

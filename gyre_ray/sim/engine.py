@@ -144,6 +144,8 @@ class Simulator:
         self.in_progress = [0] * self.steps
         self.trained_by = [set() for _ in range(self.steps)]
         self.in_flight: dict[int, Execution] = {}
+        self.in_flight_demand: dict[int, float] = {}  # by batch, kept exact as pending_demand is
+        self.in_flight_count = [0] * self.steps
         self.end_time = [0.0] * len(self.dur)
         self.version = 0
         self.updating = False
@@ -171,6 +173,7 @@ class Simulator:
             MappingProxyType(self.in_flight),
             ReadOnlySequence(self.pending),
             MappingProxyType(self.pending_demand),
+            MappingProxyType(self.in_flight_demand),
         )
 
     # ----------------------------------------------------------------- loop
@@ -236,7 +239,7 @@ class Simulator:
 
     def _state(self) -> SchedState:
         v = self.version
-        in_flight, pending, pending_demand = self._views
+        in_flight, pending, pending_demand, in_flight_demand = self._views
         return SchedState(
             now=self.now,
             policy_version=v,
@@ -255,6 +258,7 @@ class Simulator:
             group_ended=MappingProxyType(self._ended_views),
             group_running=MappingProxyType(self._running_views),
             pending_by_group=MappingProxyType(self._pending_group_views),
+            in_flight_demand_by_batch=in_flight_demand,
         )
 
     # -------------------------------------------------------------- actions
@@ -290,6 +294,8 @@ class Simulator:
         start = max(self.now, cell.paused_until)
         ex = Execution(e, item.batch, item.demand, cell_id, self.now, self.version, item.group)
         self.in_flight[e] = ex
+        self.in_flight_count[item.batch] += 1
+        self.in_flight_demand[item.batch] = self.in_flight_demand.get(item.batch, 0.0) + item.demand
         running = self._group_running.get(item.group)
         if running is None:
             running = self._group_running[item.group] = {}
@@ -379,6 +385,11 @@ class Simulator:
 
     def _end_execution(self, e: int) -> None:
         ex = self.in_flight.pop(e)
+        self.in_flight_count[ex.batch] -= 1
+        if self.in_flight_count[ex.batch]:
+            self.in_flight_demand[ex.batch] -= ex.demand
+        else:
+            del self.in_flight_demand[ex.batch]  # exactly zero, no float dust
         self._unhost(self.cells[ex.cell_id], e)
         self.tl.end(e, self.now)
         self.unended[ex.batch] -= 1
