@@ -42,14 +42,19 @@ def encode_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
 
 class FakeSGLang:
-    """The fake server on a free loopback port; `url`, `calls` (route, body) and knobs."""
+    """The fake server on a free loopback port; `url`, `calls` (route, body) and knobs.
 
-    def __init__(self, engine: TorchEngine, incremental: bool = False) -> None:
+    `token_delay_s` paces the stream as a real server's decode does (a token takes milliseconds
+    there): without it the tiny model can finish a request before an abort sent after its first
+    tokens gets there, and tests of aborts and moves race the machine's speed."""
+
+    def __init__(self, engine: TorchEngine, incremental: bool = False, token_delay_s: float = 0.0) -> None:
         import uvicorn
 
         self.engine = engine
         self.args = engine.args
         self.incremental = incremental
+        self.token_delay_s = token_delay_s
         self.state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
         self.weight_version = "0"
         self.calls: list[tuple[str, dict[str, Any]]] = []
@@ -58,6 +63,7 @@ class FakeSGLang:
         self.released_tags: list[Any] = []
         self.groups: dict[str, Any] = {}
         self.running: set[str] = set()
+        self.aborted: set[str] = set()  # running requests an abort reached
         self.app = self._build_app()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
@@ -133,13 +139,26 @@ class FakeSGLang:
         tokens: list[TokenEvent] = []
         self.running.add(request.rid)
         try:
+            ended = False
             async for event in self.engine.stream(request):
+                if ended:  # read the torch engine's stream to its end, so that the rid is free again
+                    continue
                 start = len(tokens)
+                if request.rid in self.aborted and event.finish_reason is None:
+                    # the torch engine may have run ahead of this paced stream: the abort ends it
+                    # here, with no new token (what it made past this point is dropped)
+                    abort = TokenEvent(request.rid, -1, 0.0, event.version, "abort")
+                    yield self._chunk(request, tokens, start, self._reason(abort, request))
+                    ended = True
+                    continue
                 if event.token_id >= 0:
                     tokens.append(event)
                 yield self._chunk(request, tokens, start, self._reason(event, request))
+                if self.token_delay_s > 0:
+                    await asyncio.sleep(self.token_delay_s)
         finally:
             self.running.discard(request.rid)
+            self.aborted.discard(request.rid)
 
     # ---- the app --------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:  # noqa: C901 - one route per SGLang endpoint
@@ -181,6 +200,8 @@ class FakeSGLang:
             fake.calls.append(("/abort_request", body))
             rids = list(fake.running) if body.get("abort_all") else [body.get("rid")]
             for rid in rids:
+                if rid in fake.running:
+                    fake.aborted.add(rid)
                 await fake.engine.abort(rid)
             return Response(status_code=200)
 

@@ -29,12 +29,14 @@ from gyre_ray.engines.testing import GREEDY, generate_alone, small_engine, small
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM
 
 LONG = SamplingParams(temperature=0.0, max_new_tokens=400)
+# the fake server's pace: 400 tokens take 2 s, longer than the engine's 0.5 s between abort retries
+TOKEN_DELAY_S = 0.005
 
 
 @pytest.fixture
 def fake(model: Qwen3ForCausalLM) -> Iterator[FakeSGLang]:
     backing = small_engine(small_model(), prefix_cache_tokens=0)  # its own copy of the weights
-    server = FakeSGLang(backing)
+    server = FakeSGLang(backing, token_delay_s=TOKEN_DELAY_S)
     yield server
     server.close()
     backing.shutdown()
