@@ -145,7 +145,6 @@ class Simulator:
         self.trained_by = [set() for _ in range(self.steps)]
         self.in_flight: dict[int, Execution] = {}
         self.in_flight_demand: dict[int, float] = {}  # by batch, kept exact as pending_demand is
-        self.in_flight_count = [0] * self.steps
         self.end_time = [0.0] * len(self.dur)
         self.version = 0
         self.updating = False
@@ -294,7 +293,6 @@ class Simulator:
         start = max(self.now, cell.paused_until)
         ex = Execution(e, item.batch, item.demand, cell_id, self.now, self.version, item.group)
         self.in_flight[e] = ex
-        self.in_flight_count[item.batch] += 1
         self.in_flight_demand[item.batch] = self.in_flight_demand.get(item.batch, 0.0) + item.demand
         running = self._group_running.get(item.group)
         if running is None:
@@ -385,8 +383,7 @@ class Simulator:
 
     def _end_execution(self, e: int) -> None:
         ex = self.in_flight.pop(e)
-        self.in_flight_count[ex.batch] -= 1
-        if self.in_flight_count[ex.batch]:
+        if self.unended[ex.batch] - self.pending_count[ex.batch] > 1:  # others of its batch still run
             self.in_flight_demand[ex.batch] -= ex.demand
         else:
             del self.in_flight_demand[ex.batch]  # exactly zero, no float dust
