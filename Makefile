@@ -14,15 +14,16 @@ TEST_WORKERS ?= 2
 
 .PHONY: install install-harnesses run test test-extended test-long lint format bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned first: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	# The Megatron trainer backend; 0.16.1 is the last release for Python 3.11. Its torch>=2.6 is met by
 	# the pin above (torch named again so pip cannot swap it).
-	$(PY) -m pip install -q torch==2.13.0 megatron-core==0.16.1
-	$(PY) -m pip install -q -e '.[dev,cpu]'
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0 megatron-core==0.16.1
+	# Every other package at the version in constraints.txt (a clean-clone CI passed with that set).
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,cpu]'
 	@# Mooncake's non-CUDA wheel loads only with Debian's libibverbs1 (installed where we are root with apt).
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
