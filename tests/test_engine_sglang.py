@@ -409,6 +409,27 @@ def test_an_abort_that_beats_the_request_to_the_server_still_stops_it(fake: Fake
     assert events[-1].finish_reason == "abort" and engine.stats()["running"] == 0
 
 
+def test_an_abort_that_beat_the_request_is_sent_again_at_the_servers_first_answer(fake: FakeSGLang) -> None:
+    # a retry period longer than the whole request (400 tokens, >= 2 s at 5 ms a token): only the
+    # resend on the server's first chunk can stop it early
+    engine = sglang_engine(fake, abort_retry_s=30.0, abort_wait_s=60.0)
+
+    async def scenario():
+        events, task = await start_stream(engine.stream(GenerateRequest("early", token_prompt(8), LONG)), 0)
+        await asyncio.sleep(0)  # registered here, its HTTP call not out yet: the first abort beats it
+        started = time.monotonic()
+        partial = await engine.abort("early")
+        await asyncio.wait_for(task, 30)
+        return partial, events, time.monotonic() - started
+
+    partial, events, took = asyncio.run(scenario())
+    aborts = [body for route, body in fake.calls if route == "/abort_request"]
+    assert partial is not None and partial.finish_reason == "abort"
+    assert len(partial.output_ids) < LONG.max_new_tokens // 2 and took < 10, (len(partial.output_ids), took)
+    assert len(aborts) == 2 and all(body == {"rid": "early"} for body in aborts)  # no retry-period resend
+    assert events[-1].finish_reason == "abort"
+
+
 def test_aborting_on_a_server_that_never_answers_gives_up_after_abort_wait(fake: FakeSGLang) -> None:
     engine = sglang_engine(fake, abort_wait_s=1.0)
     fake.hang_generate = True

@@ -74,6 +74,7 @@ class _Flight:
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    answered: asyncio.Event = field(default_factory=asyncio.Event)  # the server streamed a chunk of it
     pump: asyncio.Task | None = None
     prior: KVState | None = None  # an imported request: what it had produced before it came here
 
@@ -108,11 +109,15 @@ class SGLangEngine(RolloutEngine):
         tensor_serializer: Serializer | None = None,
         tp_size: int = 1,
         abort_wait_s: float = 10.0,
+        abort_retry_s: float = 0.5,
     ) -> None:
         """`model_config`: the HF config.json written next to weights sent through disk.
         `server`: the process this engine owns (stopped by `shutdown`). `tensor_serializer`: turns
         named tensors into one entry of `serialized_named_tensors` (default: SGLang's own serializer);
-        the server takes one entry per tensor-parallel rank (`tp_size`)."""
+        the server takes one entry per tensor-parallel rank (`tp_size`). An abort is sent again every
+        `abort_retry_s` until the stream ends, and at once when the server first answers a request
+        whose abort went out before any answer (it may have beaten the request there), at most
+        `abort_wait_s` in all."""
         if weight_sync not in ("disk", "tensor"):
             raise ValueError(f"weight_sync must be 'disk' or 'tensor', got {weight_sync!r}")
         self.client = client
@@ -127,6 +132,7 @@ class SGLangEngine(RolloutEngine):
         self.tensor_serializer = tensor_serializer
         self.tp_size = tp_size
         self.abort_wait_s = abort_wait_s
+        self.abort_retry_s = abort_retry_s
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._flights: dict[str, _Flight] = {}
         self._released = False
@@ -151,6 +157,7 @@ class SGLangEngine(RolloutEngine):
             return None
         deadline = asyncio.get_running_loop().time() + self.abort_wait_s
         while not flight.ended.is_set():  # again until it ends: the first may beat the request there
+            unanswered = not flight.answered.is_set()
             with contextlib.suppress(SGLangServerError):
                 await self.client.abort(rid)
             remaining = deadline - asyncio.get_running_loop().time()
@@ -159,8 +166,12 @@ class SGLangEngine(RolloutEngine):
                     flight.pump.cancel()
                 await flight.ended.wait()
                 break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(flight.ended.wait()), min(0.5, remaining))
+            # an abort sent before the server's first answer may have been ignored: send it again as
+            # soon as that answer comes (the server knows the request then), not a retry period later
+            await _first_of(
+                [flight.ended, flight.answered] if unanswered else [flight.ended],
+                min(self.abort_retry_s, remaining),
+            )
         if flight.finish_reason != "abort":
             return None  # it finished on its own meanwhile
         return flight.result()
@@ -232,6 +243,7 @@ class SGLangEngine(RolloutEngine):
         try:
             body = generate_body(flight.request, self.stop_token_ids)
             async for chunk in self.client.stream(body):
+                flight.answered.set()
                 meta = chunk.get("meta_info") or {}
                 reason = finish_reason(meta)
                 flight.cached_tokens = int(meta.get("cached_tokens", flight.cached_tokens) or 0)
@@ -403,3 +415,13 @@ def _sglang_serializer(named: list[tuple[str, torch.Tensor]]) -> str:
             "engine.sglang.weight_sync=tensor needs the sglang package in this process; use 'disk'"
         ) from exc
     return MultiprocessingSerializer.serialize(named, output_str=True)
+
+
+async def _first_of(events: list[asyncio.Event], timeout_s: float) -> None:
+    """Wait until any of `events` is set, at most `timeout_s` seconds."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
