@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,45 @@ def test_missing_run_files_are_named(tmp_path: Path, capsys) -> None:
     assert "costs.json not found" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(tmp_path / "nowhere")]) == 2
     assert "not a folder" in capsys.readouterr().err
+
+
+def test_replay_fits_the_traces_duration_model_and_prints_it_as_a_config_override(
+    tmp_path: Path, capsys
+) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0)
+    model = predict_run(run)["duration_model"]
+    assert (model["executions"], model["tasks"], model["timed_out"]) == (12, 6, 0)  # tasks per step
+    assert model["timeout_hours"] == pytest.approx(30 / 3600, abs=1e-6)  # none timed out: the longest
+    durations = [d for step in STEPS for d, _ in step]
+    assert model["mu_log_hours"] == pytest.approx(
+        sum(math.log(d / 3600) for d in durations) / len(durations), abs=0.05
+    )
+    assert main(["simulate", "--trace", str(run)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("duration model fitted"))
+    override = line.split("'")[1]  # the line ends in: ... 'scheduler.elastic_duration_prior={...}'
+    assert (
+        main(
+            [
+                "config",
+                "--config",
+                "jobs/configs/toy.yaml",
+                "scheduler.elastic_launch_order=sibling",
+                override,
+            ]
+        )
+        == 0
+    )
+    shown = json.loads(capsys.readouterr().out)["scheduler"]["elastic_duration_prior"]
+    assert shown["rho"] == pytest.approx(model["rho"], abs=1e-3)
+    assert shown["sigma_log_hours"] == pytest.approx(model["sigma_log_hours"], abs=1e-3)
+
+
+def test_a_trace_without_siblings_says_why_no_duration_model_was_fitted(tmp_path: Path, capsys) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0, group_size=1)
+    lines = [json.loads(x) for x in (run / "trace.jsonl").read_text().splitlines()]
+    (run / "trace.jsonl").write_text(
+        "".join(json.dumps({**x, "task": x["exec_id"]}) + "\n" for x in lines)  # a task per execution
+    )
+    assert "two tasks with two or more executions" in predict_run(run)["duration_model"]["error"]
+    assert main(["simulate", "--trace", str(run)]) == 0
+    assert "duration model: not fitted (need at least two tasks" in capsys.readouterr().out

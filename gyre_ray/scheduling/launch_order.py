@@ -76,7 +76,7 @@ class HoursModel(Protocol):
     timeout_hours: float
 
 
-def _log_sf(x: np.ndarray) -> np.ndarray:
+def log_normal_sf(x: np.ndarray) -> np.ndarray:
     """log P(N(0, 1) > x): the table inside [-8, 8], Mills' ratio asymptote above (never -inf)."""
     far = np.maximum(x, 8.0)
     tail = -0.5 * far * far - np.log(far * math.sqrt(2.0 * math.pi))
@@ -153,7 +153,7 @@ class SiblingOrder:
         ll = np.array(rows)
         if running_rows:
             z = (np.asarray(running_logs)[:, None] - self._task_mean[None, :]) / self._exec_sd
-            np.add.at(ll, np.asarray(running_rows), _log_sf(z))
+            np.add.at(ll, np.asarray(running_rows), log_normal_sf(z))
         for position, mean in zip(positions, self._means(ll), strict=True):
             means[position] = mean
         return means
@@ -178,7 +178,7 @@ class SiblingOrder:
                 ll += term
         if censored:
             z = (np.asarray(censored)[:, None] - self._task_mean[None, :]) / self._exec_sd
-            for term in _log_sf(z):
+            for term in log_normal_sf(z):
                 ll += term
         if len(self._ended_cache) >= _CACHE_LIMIT:
             self._ended_cache.clear()

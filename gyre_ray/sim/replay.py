@@ -164,8 +164,9 @@ def predict_run(
     `scheduler.elastic_pace_s`).
 
     Returns `{"run_dir", "cells", "steps", "staleness", "measured_makespan_s", "policies": {NAME:
-    {"predicted_makespan_s", "predicted_over_measured", "lower_bound_s", "switches", "knobs"}}}`;
-    the ratio is only given for the policy the run used at its own cell count and staleness.
+    {"predicted_makespan_s", "predicted_over_measured", "lower_bound_s", "switches", "knobs"}},
+    "duration_model"}`; the ratio is only given for the policy the run used at its own cell count
+    and staleness. `duration_model` is the duration model fitted to the trace (`duration_model_of`).
     """
     from gyre_ray.sim.runner import simulate
 
@@ -206,7 +207,21 @@ def predict_run(
         "staleness": staleness,
         "measured_makespan_s": costs.makespan_s,
         "policies": rows,
+        "duration_model": duration_model_of(wl),
     }
+
+
+def duration_model_of(wl: SampledWorkload) -> dict[str, Any]:
+    """The duration model fitted to a recorded workload's executions, as `scheduler.elastic_duration_prior`
+    takes it (`{"mu_log_hours", "sigma_log_hours", "rho", "timeout_hours"}`, with `executions`,
+    `tasks`, `timed_out`), or `{"error": why}` when the trace cannot identify it."""
+    from gyre_ray.scheduling.duration_fit import fit_duration_model
+
+    try:
+        fit = fit_duration_model(wl.duration_s, wl.group, wl.timed_out)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {**fit.config(), "executions": fit.executions, "tasks": fit.tasks, "timed_out": fit.timed_out}
 
 
 def format_prediction(report: dict[str, Any]) -> str:
@@ -223,4 +238,22 @@ def format_prediction(report: dict[str, Any]) -> str:
             f"{name:10s} {row['predicted_makespan_s']:12.1f} {row['lower_bound_s']:10.1f} {row['switches']:8d} "
             f"{'' if ratio is None else f'{ratio:.3f}':>19s}"
         )
+    model = report.get("duration_model") or {}
+    if "error" in model:
+        lines.append(f"duration model: not fitted ({model['error']})")
+    elif model:
+        fields = ", ".join(f"{key}: {model[key]:g}" for key in DURATION_PRIOR_KEYS)
+        lines.append(
+            f"duration model fitted to the trace ({model['executions']} executions, {model['tasks']} tasks, "
+            f"{model['timed_out']} timed out); for the sibling launch order: "
+            f"scheduler.elastic_launch_order=sibling 'scheduler.elastic_duration_prior={{{fields}}}'"
+            + (
+                " (rho near 0: a task's executions say little of each other, so that order gains little)"
+                if model["rho"] < 0.05
+                else ""
+            )
+        )
     return "\n".join(lines)
+
+
+DURATION_PRIOR_KEYS = ("mu_log_hours", "sigma_log_hours", "rho", "timeout_hours")
