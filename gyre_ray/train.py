@@ -331,6 +331,14 @@ def format_step(m: dict[str, Any]) -> str:
             f"(rollout of later steps ran while this step trained; {m['later_executions_started']} of their "
             "executions had started)"
         )
+    model = m.get("duration_model")
+    if model:
+        text += (
+            f"; sibling order not yet on a fitted duration model ({model['error']})"
+            if "error" in model
+            else f"; sibling order's duration model refitted to {model['executions']} ended executions "
+            f"(mu {model['mu_log_hours']:.3f} log h, sigma {model['sigma_log_hours']:.3f}, rho {model['rho']:.2f})"
+        )
     return text
 
 

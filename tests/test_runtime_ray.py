@@ -109,3 +109,14 @@ def test_eta0_stays_on_policy(runtime) -> None:
         assert steps[k]["staleness"]["max"] == 0
         for row in (r for r in trace if r["step"] == k):
             assert set(_token_versions(folder, row["exec_id"])) == {v0 + k}
+
+
+def test_an_auto_duration_prior_is_fitted_at_each_steps_end_for_the_sibling_order(runtime) -> None:
+    result = _run(runtime, 2, "f1.", elastic_launch_order="sibling", elastic_duration_prior="auto")
+    models = [m["duration_model"] for m in result["steps"]]
+    assert len(models) == 2
+    fitted = [m for m in models if "error" not in m]
+    assert fitted, models  # 6 executions of 2 tasks have ended by the first step's end
+    last = fitted[-1]
+    assert last["sigma_log_hours"] > 0 and 0 < last["rho"] < 1 and last["tasks"] >= 2
+    assert last["executions"] >= 6 and len(result["trace"]) == 12

@@ -16,6 +16,7 @@ from gyre_ray.scheduling.runtime import (
     Costs,
     ExecutionLedger,
     build_state,
+    fit_ended_durations,
     migrate_executions,
     policy_from_section,
 )
@@ -215,3 +216,33 @@ def test_a_ledger_without_tasks_gives_no_history() -> None:
     assert {p.group for p in state.pending} == {-1}
     with pytest.raises(ValueError, match="group_of has 2 entries for 3 executions"):
         ExecutionLedger.planned([0, 0, 0], [0, 1])
+
+
+def test_an_auto_prior_launches_fifo_until_the_runs_own_fit_then_sibling() -> None:
+    section = SchedulerSection(elastic_launch_order="sibling", elastic_duration_prior="auto")
+    assert section.fits_duration_prior and section.duration_prior() is None
+    assert policy_from_section(section, 2).launch_order == "fifo"  # nothing ended yet
+    ledger = ExecutionLedger.planned([0] * 6, [0, 0, 0, 1, 1, 1])
+    for e, ran_s in enumerate([100.0, 150.0, 120.0, 900.0, 1500.0, 5400.0]):
+        ledger.launch(e, 0, now=0.0)
+        ledger.end(e, ran_s=ran_s, timed_out=ran_s >= 5400.0)
+    fit = fit_ended_durations(ledger)
+    assert (fit.executions, fit.tasks, fit.timed_out) == (6, 2, 1)
+    assert fit.timeout_hours == pytest.approx(1.5)
+    policy = policy_from_section(section, 2, fit.prior())
+    assert isinstance(policy, ElasticPolicy) and policy.launch_order == "sibling"
+    configured = SchedulerSection(elastic_launch_order="sibling", elastic_duration_prior=PRIOR_HOURS)
+    assert not configured.fits_duration_prior  # a configured prior is kept, never refitted
+
+
+def test_the_runs_fit_reads_the_latest_tasks_and_says_why_it_cannot_fit_yet() -> None:
+    ledger = ExecutionLedger.planned([0] * 4, [0, 0, 1, 1])
+    ledger.launch(0, 0, now=0.0)
+    ledger.end(0, ran_s=60.0)
+    with pytest.raises(ValueError, match="two tasks with two or more executions"):
+        fit_ended_durations(ledger)
+    many = ExecutionLedger.planned([0] * 40, [e // 4 for e in range(40)])
+    for e in range(40):
+        many.launch(e, 0, now=0.0)
+        many.end(e, ran_s=60.0 + e)
+    assert fit_ended_durations(many, limit=12).tasks == 3  # the last three tasks' 12 executions

@@ -66,6 +66,14 @@ def test_a_step_that_scored_nothing_has_no_reward_and_says_why() -> None:
     )
     recovered = {"step": 3, "recovered_after_scheduler_restart": True}  # all a restarted scheduler knows
     assert "metrics were lost" in format_step(recovered)
+    fitted = {"executions": 30, "mu_log_hours": -5.8263, "sigma_log_hours": 0.3802, "rho": 0.5337}
+    assert format_step({**empty, "duration_model": fitted}).endswith(
+        "; sibling order's duration model refitted to 30 ended executions (mu -5.826 log h, sigma 0.380, rho 0.53)"
+    )
+    waiting = {**empty, "duration_model": {"error": "need at least two tasks with two or more executions"}}
+    assert format_step(waiting).endswith(
+        "not yet on a fitted duration model (need at least two tasks with two or more executions)"
+    )
 
 
 @pytest.mark.parametrize(

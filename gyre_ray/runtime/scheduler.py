@@ -52,6 +52,7 @@ from gyre_ray.scheduling.runtime import (
     Costs,
     ExecutionLedger,
     build_state,
+    fit_ended_durations,
     migrate_executions,
     policy_from_section,
 )
@@ -588,6 +589,8 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         self.update = None
         self.updates += 1
         metrics = self.recorder.step_done(self, update, now)
+        if self.cfg.scheduler.fits_duration_prior:
+            metrics["duration_model"] = self._refit_duration_prior()
         if self.checkpoint_every and (
             self.updates % self.checkpoint_every == 0 or self.updates == self.steps
         ):
@@ -596,6 +599,16 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         self.journal.published(update.batch, update.version, metrics)
         self.live.step_done(metrics)
         self.live.poll_engines(self)
+
+    def _refit_duration_prior(self) -> dict[str, Any]:
+        """`elastic_duration_prior: auto`: fit the run's ended executions, and the sibling order uses the fit
+        from the next decision on; the step's metrics get the model (or why none was fitted yet)."""
+        try:
+            fit = fit_ended_durations(self.ledger)
+        except ValueError as exc:
+            return {"error": str(exc)}
+        self.policy = policy_from_section(self.cfg.scheduler, len(self.views), fit.prior())
+        return {**fit.config(), "executions": fit.executions, "tasks": fit.tasks, "timed_out": fit.timed_out}
 
     def _checkpoint(self) -> float:
         """Write the run's checkpoint now, right after an update is published (the core is idle then);

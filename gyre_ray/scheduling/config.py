@@ -45,11 +45,13 @@ class SchedulerSection(Section):
         "'sibling' by what each task's launched executions showed so far (needs "
         "elastic_duration_prior; docs/scheduling.md, 'launch order').",
     )
-    elastic_duration_prior: DurationModel | None = Field(
+    elastic_duration_prior: DurationModel | Literal["auto"] | None = Field(
         None,
         description="elastic, launch order 'sibling': the tasks' duration model, as a workload's "
         "`duration` gives it (mu_log_hours, sigma_log_hours > 0, 0 < rho < 1, timeout_hours; "
-        "runaway_fraction is not used).",
+        "runaway_fraction is not used; `gyre-ray simulate --trace RUN_DIR` fits one to a run), or "
+        "'auto': fitted to the run's own ended executions at every step's end (first in first out "
+        "until a fit succeeds).",
     )
     async_train_cells: int = Field(
         0,
@@ -70,9 +72,14 @@ class SchedulerSection(Section):
         return self
 
     def duration_prior(self) -> DurationPrior | None:
-        """The sibling order's prior from `elastic_duration_prior` (None when not set)."""
+        """The sibling order's prior from `elastic_duration_prior` (None when not set or 'auto')."""
         model = self.elastic_duration_prior
-        return None if model is None else DurationPrior.from_model(model)
+        return None if model is None or model == "auto" else DurationPrior.from_model(model)
+
+    @property
+    def fits_duration_prior(self) -> bool:
+        """The sibling order's prior is fitted during the run (`elastic_duration_prior: auto`)."""
+        return self.elastic_launch_order == "sibling" and self.elastic_duration_prior == "auto"
 
     def async_split(self, num_cells: int) -> int:
         """Cells that train under `async` on `num_cells` cells (`async_train_cells`, 0 = half, at least 1)."""

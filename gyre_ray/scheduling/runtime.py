@@ -23,6 +23,8 @@ from types import MappingProxyType
 
 from gyre_ray.scheduling.base import Policy, make_policy
 from gyre_ray.scheduling.config import SchedulerSection
+from gyre_ray.scheduling.duration_fit import FittedDurationModel, fit_duration_model
+from gyre_ray.scheduling.launch_order import DurationPrior
 from gyre_ray.scheduling.state import (
     CellState,
     EndedExecution,
@@ -257,17 +259,47 @@ def migrate_executions(ledger: ExecutionLedger, leaving: int, cells: list[CellVi
     return moves
 
 
-def policy_from_section(section: SchedulerSection, num_cells: int) -> Policy:
-    """The policy object the simulator would build from the same `scheduler` section, for `num_cells` cells."""
+def policy_from_section(
+    section: SchedulerSection, num_cells: int, fitted_prior: DurationPrior | None = None
+) -> Policy:
+    """The policy object the simulator would build from the same `scheduler` section, for `num_cells` cells.
+
+    With `elastic_duration_prior: auto` the sibling order uses `fitted_prior` (the run's own fit,
+    `fit_ended_durations`), first in first out until there is one.
+    """
     if section.policy == "elastic":
+        prior = fitted_prior if section.fits_duration_prior else section.duration_prior()
         return make_policy(
             "elastic",
             repay_factor=section.elastic_repay_factor,
             prefetch=section.elastic_prefetch,
             pace_s=section.elastic_pace_s,
-            launch_order=section.elastic_launch_order,
-            duration_prior=section.duration_prior(),
+            launch_order=section.elastic_launch_order if prior is not None else "fifo",
+            duration_prior=prior,
         )
     if section.policy == "async":
         return make_policy("async", train_cells=section.async_split(num_cells))
     return make_policy(section.policy)
+
+
+FIT_LIMIT = 4096  # ended executions a refit reads at most (the latest tasks'): about 1.5 s on one core
+
+
+def fit_ended_durations(ledger: ExecutionLedger, limit: int = FIT_LIMIT) -> FittedDurationModel:
+    """The duration model fitted to the run's ended executions (the latest tasks', up to `limit`).
+
+    ValueError (from the fit, saying why) while too few have ended to identify it.
+    """
+    durations: list[float] = []
+    tasks: list[int] = []
+    timed_out: list[bool] = []
+    for group in reversed(list(ledger.ended_by_group)):
+        ended = ledger.ended_by_group[group]
+        if len(durations) + len(ended) > limit and durations:
+            break
+        for how in ended:
+            if how.ran_s > 0:
+                durations.append(how.ran_s)
+                tasks.append(group)
+                timed_out.append(how.timed_out)
+    return fit_duration_model(durations, tasks, timed_out)
