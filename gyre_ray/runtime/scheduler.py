@@ -608,7 +608,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         except ValueError as exc:
             return {"error": str(exc)}
         self.policy = policy_from_section(self.cfg.scheduler, len(self.views), fit.prior())
-        return {**fit.config(), "executions": fit.executions, "tasks": fit.tasks, "timed_out": fit.timed_out}
+        return fit.summary()
 
     def _checkpoint(self) -> float:
         """Write the run's checkpoint now, right after an update is published (the core is idle then);

@@ -57,6 +57,15 @@ class FittedDurationModel:
             "timeout_hours": round(self.timeout_hours, 6),
         }
 
+    def summary(self) -> dict[str, float | int]:
+        """`config()` and what the model was fitted on (`executions`, `tasks`, `timed_out`)."""
+        return {
+            **self.config(),
+            "executions": self.executions,
+            "tasks": self.tasks,
+            "timed_out": self.timed_out,
+        }
+
     def prior(self) -> DurationPrior:
         """The model as the sibling order's prior."""
         return DurationPrior.from_hours(self.mu_log_hours, self.sigma_log_hours, self.rho, self.timeout_hours)
@@ -84,9 +93,8 @@ def fit_duration_model(
     if d.size and not (np.all(np.isfinite(d)) and np.all(d > 0)):
         raise ValueError("every duration must be finite and > 0 seconds")
     timeout = _timeout_s(d, censored_flags, timeout_s)
-    cap_known = timeout_s is not None or bool(
-        np.any(censored_flags)
-    )  # else the timeout is only the longest seen
+    # without a given timeout or a timed-out execution the cap is only the longest seen: nothing censored
+    cap_known = timeout_s is not None or bool(np.any(censored_flags))
     censored = censored_flags | (d >= timeout) if cap_known else censored_flags
     _, task_index = np.unique(np.asarray([str(t) for t in task_list], dtype=object), return_inverse=True)
     sizes = np.bincount(task_index) if d.size else np.zeros(0, dtype=np.int64)

@@ -19,6 +19,7 @@ from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.workload import SampledWorkload, WorkloadError, sample_workload, spec_from_dict
 
 TRACE_FILE, COSTS_FILE = "trace.jsonl", "costs.json"
+DURATION_PRIOR_KEYS = ("mu_log_hours", "sigma_log_hours", "rho", "timeout_hours")  # the override's
 INT_KEYS = ("cells", "group_size", "executions_per_step", "steps", "staleness")
 COST_NUMBERS = (  # measured costs in costs.json (the runtime writes them: runtime/report.py)
     "capacity_per_cell",
@@ -221,7 +222,7 @@ def duration_model_of(wl: SampledWorkload) -> dict[str, Any]:
         fit = fit_duration_model(wl.duration_s, wl.group, wl.timed_out)
     except ValueError as exc:
         return {"error": str(exc)}
-    return {**fit.config(), "executions": fit.executions, "tasks": fit.tasks, "timed_out": fit.timed_out}
+    return fit.summary()
 
 
 def format_prediction(report: dict[str, Any]) -> str:
@@ -254,6 +255,3 @@ def format_prediction(report: dict[str, Any]) -> str:
             )
         )
     return "\n".join(lines)
-
-
-DURATION_PRIOR_KEYS = ("mu_log_hours", "sigma_log_hours", "rho", "timeout_hours")
