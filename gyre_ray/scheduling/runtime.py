@@ -282,9 +282,8 @@ def policy_from_section(
     return make_policy(section.policy)
 
 
-FIT_LIMIT = (
-    4096  # ended executions a refit reads at most (the latest tasks'): 0.7 s here (nl2repo, 2026-12-05)
-)
+# ended executions a refit reads at most (the latest tasks'): 0.7 s here (nl2repo, 2026-12-05)
+FIT_LIMIT = 4096
 
 
 def fit_ended_durations(ledger: ExecutionLedger, limit: int = FIT_LIMIT) -> FittedDurationModel:
