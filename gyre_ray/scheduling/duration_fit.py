@@ -46,7 +46,6 @@ class FittedDurationModel:
     executions: int
     tasks: int
     timed_out: int
-    log_likelihood: float
 
     def config(self) -> dict[str, float]:
         """The `scheduler.elastic_duration_prior` block (rounded to 4 decimals)."""
@@ -97,7 +96,7 @@ def fit_duration_model(
     cap_known = timeout_s is not None or bool(np.any(censored_flags))
     censored = censored_flags | (d >= timeout) if cap_known else censored_flags
     _, task_index = np.unique(np.asarray([str(t) for t in task_list], dtype=object), return_inverse=True)
-    sizes = np.bincount(task_index) if d.size else np.zeros(0, dtype=np.int64)
+    sizes = np.bincount(task_index)
     if int(np.sum(sizes >= 2)) < 2:
         raise ValueError(
             "need at least two tasks with two or more executions each to fit rho (the task share)"
@@ -122,7 +121,6 @@ def fit_duration_model(
         executions=int(d.size),
         tasks=int(sizes.size),
         timed_out=int(np.sum(censored)),
-        log_likelihood=-negative_log_likelihood(best),
     )
 
 
@@ -173,11 +171,8 @@ def _log_likelihood(
         )
         means = mu + task_sd * nodes[task_index]  # each execution's mean log duration at its task's nodes
         z = (log_d[:, None] - means) / exec_sd
-        per_exec = np.where(
-            censored[:, None],
-            log_normal_sf((log_timeout - means) / exec_sd),
-            -0.5 * z * z - math.log(exec_sd * math.sqrt(2.0 * math.pi)),
-        )
+        per_exec = -0.5 * z * z - math.log(exec_sd * math.sqrt(2.0 * math.pi))
+        per_exec[censored] = log_normal_sf((log_timeout - means[censored]) / exec_sd)  # "at least T"
         np.add.at(per_task, task_index, per_exec)
         top = per_task.max(axis=1, keepdims=True)
         weights = np.exp(per_task - top)

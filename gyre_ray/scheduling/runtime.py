@@ -282,7 +282,7 @@ def policy_from_section(
     return make_policy(section.policy)
 
 
-# ended executions a refit reads at most (the latest tasks'): 0.7 s here (nl2repo, 2026-12-05)
+# ended executions a refit reads at most (the latest tasks'): 0.3 s here (nl2repo, 2026-12-05)
 FIT_LIMIT = 4096
 
 

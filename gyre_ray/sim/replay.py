@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.scheduling.duration_fit import fit_duration_model
 from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.workload import SampledWorkload, WorkloadError, sample_workload, spec_from_dict
 
@@ -216,8 +217,6 @@ def duration_model_of(wl: SampledWorkload) -> dict[str, Any]:
     """The duration model fitted to a recorded workload's executions, as `scheduler.elastic_duration_prior`
     takes it (`{"mu_log_hours", "sigma_log_hours", "rho", "timeout_hours"}`, with `executions`,
     `tasks`, `timed_out`), or `{"error": why}` when the trace cannot identify it."""
-    from gyre_ray.scheduling.duration_fit import fit_duration_model
-
     try:
         fit = fit_duration_model(wl.duration_s, wl.group, wl.timed_out)
     except ValueError as exc:
