@@ -299,6 +299,19 @@ def _write_report(run_dir: Path) -> Path | None:
     return index
 
 
+def _logprob_gap(m: dict[str, Any]) -> str:
+    """The largest |behaviour - trainer| log-prob of a loss token. On-policy it checks that engine and
+    trainer agree (numerics only); with stale tokens it also holds the policy's change since they were
+    generated, so the line says so rather than call it an engine/trainer mismatch."""
+    oldest = (m.get("staleness") or {}).get("max", 0)
+    if not oldest:
+        return f", engine/trainer logprob gap {m['logprob_gap_max']:.2e}"
+    return (
+        f", behaviour/trainer logprob gap {m['logprob_gap_max']:.2e} "
+        f"(tokens up to {oldest} version{'s' if oldest > 1 else ''} old: the policy moved since)"
+    )
+
+
 def format_step(m: dict[str, Any]) -> str:
     if m.get("recovered_after_scheduler_restart"):  # the scheduler died between the update and its row
         return (
@@ -313,7 +326,7 @@ def format_step(m: dict[str, Any]) -> str:
     if "loss" in m:
         text += f", loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}"
         if "logprob_gap_max" in m:
-            text += f", engine/trainer logprob gap {m['logprob_gap_max']:.2e}"
+            text += _logprob_gap(m)
         if "nll_mean" in m:
             text += (
                 f", sampled-token NLL {m['nll_mean']:.3f} nats, KL(behaviour||policy) {m['kl_behaviour']:.2e}, "

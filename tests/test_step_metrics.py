@@ -70,6 +70,19 @@ def test_a_step_that_scored_nothing_has_no_reward_and_says_why() -> None:
     assert format_step({**empty, "duration_model": fitted}).endswith(
         "; sibling order's duration model refitted to 30 ended executions (mu -5.826 log h, sigma 0.380, rho 0.53)"
     )
+    trained = {
+        **empty, "loss": 0.1, "grad_norm": 0.2, "version": 3, "logprob_gap_max": 2e-6, "overlap_s": 0.0,
+        "later_executions_started": 0,
+    }  # fmt: skip
+    assert ", engine/trainer logprob gap 2.00e-06," in format_step(
+        {**trained, "staleness": {"max": 0, "mean": 0.0}}
+    )
+    stale = format_step({**trained, "logprob_gap_max": 1.5, "staleness": {"max": 1, "mean": 0.5}})
+    assert (
+        ", behaviour/trainer logprob gap 1.50e+00 (tokens up to 1 version old: the policy moved since),"
+        in stale
+    )
+    assert "engine/trainer" not in stale
     waiting = {**empty, "duration_model": {"error": "need at least two tasks with two or more executions"}}
     assert format_step(waiting).endswith(
         "not yet on a fitted duration model (need at least two tasks with two or more executions)"

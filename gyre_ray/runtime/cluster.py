@@ -242,7 +242,7 @@ class Runtime:
         return runtime
 
     def _start_scheduler(self, options: dict[str, Any]) -> Any:
-        from gyre_ray.runtime.scheduler import SchedulerActor
+        from gyre_ray.runtime.scheduler import SchedulerActor, pack_scheduler_options
         from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
 
         head = self.config.cells.control_resources()
@@ -266,7 +266,7 @@ class Runtime:
             self.core_id,
             self.namespace,
             {"base_url": self.proxy.base_url, "admin_token": self.proxy.admin_token},
-            **{"workers": self.workers, "pool": self.pool, **options},
+            options_blob=pack_scheduler_options({"workers": self.workers, "pool": self.pool, **options}),
         )
 
     def restore(self, checkpoint: str | Path, timeout_s: float = 600.0) -> int:
@@ -318,8 +318,7 @@ def _stop(pool: Any, store: Any, proxy: Any, actors: list[Any], owns_ray: bool) 
     if proxy is not None:
         proxy.close()
     if owns_ray:
-        from ray import serve
-
-        with contextlib.suppress(Exception):
-            serve.shutdown()
+        # No `serve.shutdown()` first: its controller kills itself while its own graceful-shutdown task
+        # is pending, and the raylet prints that task's failure at every job's end. Stopping the
+        # private Ray ends the controller and its HTTP proxy with every other process.
         ray.shutdown()

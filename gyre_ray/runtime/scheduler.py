@@ -647,6 +647,16 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         )  # fmt: skip
 
 
+def pack_scheduler_options(options: dict[str, Any]) -> bytes:
+    """`RunScheduler`'s keyword options (actor handles among them: the workers, the cell pool) as one
+    opaque argument of `SchedulerActor`. Handles among an actor's constructor arguments make Ray log
+    an error at its creation when it may restart ("constructor arguments in the object store and
+    max_restarts > 0", ray-project/ray#53727); that warning is about arguments kept in the object store,
+    and a handle needs none: an actor restarted from the pickled handles reaches the same actors
+    (tests/test_faults_driver.py kills the driver and the scheduler, and the run still ends)."""
+    return ray.cloudpickle.dumps(options)
+
+
 @ray.remote(num_cpus=0, max_concurrency=8)
 class SchedulerActor:
     """`RunScheduler` as the named Ray actor `scheduler` (threaded: progress answers while `run` works).
@@ -657,7 +667,9 @@ class SchedulerActor:
     the agents and the store go on being scheduled); a `run` or `join` with the same arguments then
     waits for it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, options_blob: bytes = b"", **kwargs: Any) -> None:
+        if options_blob:
+            kwargs.update(ray.cloudpickle.loads(options_blob))
         self.scheduler = RunScheduler(*args, **kwargs)
         self.keeper = RunKeeper()
         call = None

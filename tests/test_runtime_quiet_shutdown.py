@@ -1,0 +1,49 @@
+"""A job's runtime starts and stops without error-looking lines from Ray:
+- at its start, Ray logs "... has constructor arguments in the object store and max_restarts > 0" for
+  an actor that may restart and is given actor handles (the scheduler actor: the workers, the cell
+  pool) unless they travel as one opaque argument (`gyre_ray.runtime.scheduler.pack_scheduler_options`);
+- at its end, Ray's Serve controller, stopped by `serve.shutdown()`, kills itself while its own
+  graceful-shutdown task is pending and the raylet prints "Task ServeController.graceful_shutdown
+  failed ... killed by `ray.kill`"; a runtime that started its own Ray leaves Serve to `ray.shutdown()`.
+One subprocess starts the toy job's runtime on a private Ray and shuts it down."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import ray
+    from gyre_ray.config import load_config
+    from gyre_ray.runtime.cluster import Runtime
+
+    folder = sys.argv[1]
+    cfg = load_config("jobs/configs/toy.yaml", [f"proxy.records_dir={folder}/records", "run.max_scheduler_restarts=2"])
+    runtime = Runtime.start(cfg, scheduler_options={"run_dir": folder})
+    assert runtime.owns_ray
+    print("pid", ray.get(runtime.scheduler.pid.remote()), flush=True)
+    runtime.shutdown()
+    assert not ray.is_initialized()
+    print("stopped", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(400)
+def test_a_runtime_on_its_own_ray_starts_and_stops_without_error_lines(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=360, check=False,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "pid " in done.stdout and "stopped" in done.stdout, output
+    assert "constructor arguments in the object store" not in output, output
+    assert "graceful_shutdown" not in output and "killed by `ray.kill`" not in output, output
