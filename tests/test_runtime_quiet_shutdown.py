@@ -5,6 +5,8 @@
 - at its end, Ray's Serve controller, stopped by `serve.shutdown()`, kills itself while its own
   graceful-shutdown task is pending and the raylet prints "Task ServeController.graceful_shutdown
   failed ... killed by `ray.kill`"; a runtime that started its own Ray leaves Serve to `ray.shutdown()`.
+- Serve's driver logger prints INFO lines (its own URL among them, not the proxy's) unless quietened
+  after `ray.serve` is imported (the import sets it to INFO).
 One subprocess starts the toy job's runtime on a private Ray and shuts it down."""
 
 from __future__ import annotations
@@ -47,3 +49,5 @@ def test_a_runtime_on_its_own_ray_starts_and_stops_without_error_lines(tmp_path:
     assert "pid " in done.stdout and "stopped" in done.stdout, output
     assert "constructor arguments in the object store" not in output, output
     assert "graceful_shutdown" not in output and "killed by `ray.kill`" not in output, output
+    # Serve's own INFO lines (its URL on port 8000 is not the proxy's) stay out of the job's output
+    assert "Connecting to existing Serve app" not in output and "is ready at" not in output, output

@@ -50,6 +50,8 @@ def connect_ray(config: GyreConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    import ray.serve  # noqa: F401  (its import sets Serve's driver logger to INFO: quieten it after)
+
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the job prints its own progress
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level="WARNING")
