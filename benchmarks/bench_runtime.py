@@ -45,12 +45,13 @@ def _configs(cells: int) -> list[tuple[str, dict[str, Any]]]:
     return runs
 
 
-def _simulate(run_dir: Path, prefetch: str) -> dict[str, Any]:
-    """The simulator's replay of the run (`gyre-ray simulate --trace RUN_DIR`): predicted vs measured makespan."""
+def _simulate(run_dir: Path) -> dict[str, Any]:
+    """The simulator's replay of the run (`gyre-ray simulate --trace RUN_DIR`, with the run's own scheduler
+    section): predicted vs measured makespan."""
     from gyre_ray.sim.replay import predict_run
 
     try:
-        report = predict_run(run_dir, prefetch=prefetch)
+        report = predict_run(run_dir)
     except Exception as exc:  # a replay failure is reported, the benchmark's figures stand
         return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
     row = report["policies"][report["recorded_policy"]]
@@ -157,9 +158,8 @@ def main() -> int:
 
         serve.shutdown()
         ray.shutdown()
-    prefetch = {name: section.get("elastic_prefetch", "eager") for name, section in _configs(args.cells)}
     for row in rows:
-        row["simulated"] = _simulate(runs_dir / row["run"], prefetch[row["run"]])
+        row["simulated"] = _simulate(runs_dir / row["run"])
     by = {r["run"]: r["makespan_s"] for r in rows}
     asyncs = {k: v for k, v in by.items() if k.startswith("async-")}
     ratios = {}

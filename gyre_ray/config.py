@@ -212,6 +212,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if overrides:
         data = apply_overrides(data, overrides)
         source += " + overrides"
+    return validate_config(data, source)
+
+
+def validate_config(data: dict[str, Any], source: str) -> GyreConfig:
+    """`data` as a config; `ConfigError` naming every bad key (and `source`) if it is not one."""
     try:
         return GyreConfig.model_validate(data)
     except ValidationError as exc:

@@ -192,3 +192,45 @@ def test_a_trace_without_siblings_says_why_no_duration_model_was_fitted(tmp_path
     assert "two tasks with two or more executions" in predict_run(run)["duration_model"]["error"]
     assert main(["simulate", "--trace", str(run)]) == 0
     assert "duration model: not fitted (need at least two tasks" in capsys.readouterr().out
+
+
+def test_replay_simulates_the_scheduler_section_the_run_used(tmp_path: Path, capsys) -> None:
+    """The run's config.json says trickle with the sibling order and a fitted prior (`auto`): the
+    replay simulates that, with the model fitted to the trace, not the defaults (eager, first in first
+    out); overrides go on top of the run's section, and --config replaces it."""
+    run = write_run(tmp_path / "run", makespan_s=200.0, policy="elastic", staleness=1)
+    scheduler = {"policy": "elastic", "staleness": 1, "elastic_prefetch": "trickle"}
+    scheduler |= {"elastic_launch_order": "sibling", "elastic_duration_prior": "auto"}
+    (run / "config.json").write_text(json.dumps({"run": {"name": "x"}, "scheduler": scheduler}))
+    report = predict_run(run)
+    knobs = report["policies"]["elastic"]["knobs"]
+    assert (knobs["prefetch"], knobs["launch_order"]) == ("trickle", "sibling")
+    fitted = report["duration_model"]
+    assert knobs["duration_prior"]["rho"] == pytest.approx(fitted["rho"], abs=1e-4)  # the summary rounds
+    assert knobs["duration_prior"]["timeout_s"] == pytest.approx(fitted["timeout_hours"] * 3600, rel=1e-4)
+    assert "predicted_over_measured" in report["policies"]["elastic"]
+
+    assert main(["simulate", "--trace", str(run), "--json", "scheduler.elastic_prefetch=spare"]) == 0
+    knobs = json.loads(capsys.readouterr().out)["policies"]["elastic"]["knobs"]
+    assert (knobs["prefetch"], knobs["launch_order"]) == ("spare", "sibling")
+    assert main(["simulate", "--trace", str(run), "--json", "--config", "jobs/configs/toy.yaml"]) == 0
+    knobs = json.loads(capsys.readouterr().out)["policies"]["elastic"]["knobs"]
+    assert knobs["launch_order"] == "fifo" and knobs["duration_prior"] is None
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("{not json", "config.json: cannot read its scheduler section"),
+        ('{"scheduler": {"elastic_prefetch": "sideways"}}', "config.json: cannot read its scheduler section"),
+        ('{"scheduler": 3}', "'scheduler' must be a mapping"),
+    ],
+)
+def test_a_bad_run_config_fails_in_one_line_naming_it(
+    tmp_path: Path, capsys, config: str, message: str
+) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0)
+    (run / "config.json").write_text(config)
+    assert main(["simulate", "--trace", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "give --config" in err and len(err.strip().splitlines()) == 1

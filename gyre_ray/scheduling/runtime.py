@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import Any
 
 from gyre_ray.scheduling.base import Policy, make_policy
 from gyre_ray.scheduling.config import SchedulerSection
@@ -267,19 +268,27 @@ def policy_from_section(
     With `elastic_duration_prior: auto` the sibling order uses `fitted_prior` (the run's own fit,
     `fit_ended_durations`), first in first out until there is one.
     """
+    name, knobs = policy_knobs(section, num_cells, fitted_prior)
+    return make_policy(name, **knobs)
+
+
+def policy_knobs(
+    section: SchedulerSection, num_cells: int, fitted_prior: DurationPrior | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The registered policy name and its knobs for a `scheduler` section (`policy_from_section`; the
+    replay of a run, `gyre_ray.sim.replay`, simulates the same)."""
     if section.policy == "elastic":
         prior = fitted_prior if section.fits_duration_prior else section.duration_prior()
-        return make_policy(
-            "elastic",
-            repay_factor=section.elastic_repay_factor,
-            prefetch=section.elastic_prefetch,
-            pace_s=section.elastic_pace_s,
-            launch_order=section.elastic_launch_order if prior is not None else "fifo",
-            duration_prior=prior,
-        )
+        return "elastic", {
+            "repay_factor": section.elastic_repay_factor,
+            "prefetch": section.elastic_prefetch,
+            "pace_s": section.elastic_pace_s,
+            "launch_order": section.elastic_launch_order if prior is not None else "fifo",
+            "duration_prior": prior,
+        }
     if section.policy == "async":
-        return make_policy("async", train_cells=section.async_split(num_cells))
-    return make_policy(section.policy)
+        return "async", {"train_cells": section.async_split(num_cells)}
+    return section.policy, {}
 
 
 # ended executions a refit reads at most (the latest tasks'): 0.3 s here (nl2repo, 2026-12-05)

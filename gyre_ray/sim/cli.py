@@ -9,7 +9,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gyre_ray.scheduling.config import SchedulerSection
 
 HOUR = 3600.0
 
@@ -145,7 +148,6 @@ def _simulate_command(args: argparse.Namespace) -> int:
 
 
 def _replay_command(args: argparse.Namespace) -> int:
-    from gyre_ray.config import load_config
     from gyre_ray.sim.engine import SimulationError
     from gyre_ray.sim.replay import format_prediction, predict_run
     from gyre_ray.sim.workload import WorkloadError
@@ -160,17 +162,10 @@ def _replay_command(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         return _fail("simulate", f"--trace {run_dir}: not a folder (expected a run folder with trace.jsonl)")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
-    scheduler = load_config(args.config, args.overrides).scheduler
-    split = scheduler.async_train_cells or None
     try:
+        scheduler = _replay_scheduler(run_dir, args.config, args.overrides)
         report = predict_run(
-            run_dir,
-            args.cells,
-            args.staleness,
-            policies,
-            split,
-            scheduler.elastic_prefetch,
-            scheduler.elastic_pace_s,
+            run_dir, args.cells, args.staleness, policies, scheduler.async_train_cells or None, scheduler
         )
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))
@@ -179,6 +174,18 @@ def _replay_command(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(report, indent=2) if args.json else format_prediction(report))
     return 0
+
+
+def _replay_scheduler(run_dir: Path, config: str | None, overrides: list[str]) -> SchedulerSection:
+    """The scheduler section a replay simulates: `--config`'s when given, else the run's own
+    (`run_scheduler_section`), with the overrides on top."""
+    from gyre_ray.config import apply_overrides, load_config, validate_config
+    from gyre_ray.sim.replay import CONFIG_FILE, run_scheduler_section
+
+    if config is not None:
+        return load_config(config, overrides).scheduler
+    data = apply_overrides({"scheduler": run_scheduler_section(run_dir).model_dump(mode="json")}, overrides)
+    return validate_config(data, f"{run_dir / CONFIG_FILE} + overrides").scheduler
 
 
 def simulation_report(

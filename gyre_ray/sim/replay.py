@@ -15,11 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre_ray.scheduling.duration_fit import fit_duration_model
+from pydantic import ValidationError
+
+from gyre_ray.scheduling.config import SchedulerSection
+from gyre_ray.scheduling.duration_fit import FittedDurationModel, fit_duration_model
+from gyre_ray.scheduling.runtime import policy_knobs
 from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.workload import SampledWorkload, WorkloadError, sample_workload, spec_from_dict
 
-TRACE_FILE, COSTS_FILE = "trace.jsonl", "costs.json"
+TRACE_FILE, COSTS_FILE, CONFIG_FILE = "trace.jsonl", "costs.json", "config.json"
 DURATION_PRIOR_KEYS = ("mu_log_hours", "sigma_log_hours", "rho", "timeout_hours")  # the override's
 INT_KEYS = ("cells", "group_size", "executions_per_step", "steps", "staleness")
 COST_NUMBERS = (  # measured costs in costs.json (the runtime writes them: runtime/report.py)
@@ -151,47 +155,65 @@ def run_workload(run_dir: Path, cells: int, costs: RunCosts) -> SampledWorkload:
     return wl
 
 
+def run_scheduler_section(run_dir: Path) -> SchedulerSection:
+    """The `scheduler` section the run used (the `scheduler` of its `config.json`); the defaults when the
+    folder has no config.json (a trace written by hand). `WorkloadError` naming the file if it is bad."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return SchedulerSection()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        section = data.get("scheduler", {}) if isinstance(data, dict) else None
+        if not isinstance(section, dict):
+            raise WorkloadError(f"{path}: 'scheduler' must be a mapping; give --config")
+        return SchedulerSection.model_validate(section)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValidationError) as exc:
+        reason = str(exc).splitlines()[0]
+        raise WorkloadError(f"{path}: cannot read its scheduler section ({reason}); give --config") from None
+
+
 def predict_run(
     run_dir: Path,
     cells: int | None = None,
     staleness: int | None = None,
     policies: list[str] | None = None,
     async_train_cells: int | None = None,
-    prefetch: str = "eager",
-    pace_s: float | None = None,
+    scheduler: SchedulerSection | None = None,
 ) -> dict[str, Any]:
     """Simulate the recorded run (its cells, policy, staleness and split unless given) and compare.
 
-    `prefetch`, `pace_s`: the elastic prefetch mode and pace the run used (`scheduler.elastic_prefetch`,
-    `scheduler.elastic_pace_s`).
+    `scheduler`: the section whose knobs the simulated policies take (elastic's prefetch, pace,
+    repay factor and launch order; async's split unless `async_train_cells` or the run's costs give
+    one); default: the run's own (`run_scheduler_section`). Each policy is built from it as the
+    runtime builds it (`policy_knobs`); a sibling order with `elastic_duration_prior: auto` takes the
+    model fitted to the whole trace (the run refitted it at each step's end from what had ended).
 
     Returns `{"run_dir", "cells", "steps", "staleness", "measured_makespan_s", "policies": {NAME:
     {"predicted_makespan_s", "predicted_over_measured", "lower_bound_s", "switches", "knobs"}},
     "duration_model"}`; the ratio is only given for the policy the run used at its own cell count
-    and staleness. `duration_model` is the duration model fitted to the trace (`duration_model_of`).
+    and staleness. `duration_model` is the duration model fitted to the trace, as
+    `scheduler.elastic_duration_prior` takes it (with `executions`, `tasks`, `timed_out`), or
+    `{"error": why}` when the trace cannot identify one.
     """
-    from gyre_ray.sim.runner import simulate
+    from gyre_ray.sim.runner import run_policy
 
     costs = read_costs(run_dir / COSTS_FILE)
+    section = scheduler if scheduler is not None else run_scheduler_section(run_dir)
     cells = costs.cells if cells is None else cells
     staleness = costs.staleness if staleness is None else staleness
     policies = policies or [costs.policy]
-    split = async_train_cells or costs.async_train_cells or max(1, cells // 2)
+    split = async_train_cells or costs.async_train_cells or section.async_split(cells)
     wl = run_workload(run_dir, cells, costs)
-    results = simulate(
-        wl,
-        policies,
-        cells,
-        staleness,
-        costs.sim,
-        tune=False,
-        async_train_cells=split,
-        prefetch=prefetch,
-        pace_s=pace_s,
-    )
+    fit = _fit(wl)
+    fitted_prior = None if isinstance(fit, str) else fit.prior()
     same_run = cells == costs.cells and staleness == costs.staleness
     rows = {}
-    for name, result in results.items():
+    for name in policies:
+        if name not in _POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(_POLICIES)}")
+        as_run = section.model_copy(update={"policy": name, "async_train_cells": split})
+        policy, knobs = policy_knobs(as_run, cells, fitted_prior)
+        result = run_policy(wl, policy, cells, staleness, costs.sim, **knobs)
         row = {
             "predicted_makespan_s": round(result.makespan_s, 3),
             "lower_bound_s": round(result.lower_bound_s, 3),
@@ -209,19 +231,16 @@ def predict_run(
         "staleness": staleness,
         "measured_makespan_s": costs.makespan_s,
         "policies": rows,
-        "duration_model": duration_model_of(wl),
+        "duration_model": {"error": fit} if isinstance(fit, str) else fit.summary(),
     }
 
 
-def duration_model_of(wl: SampledWorkload) -> dict[str, Any]:
-    """The duration model fitted to a recorded workload's executions, as `scheduler.elastic_duration_prior`
-    takes it (`{"mu_log_hours", "sigma_log_hours", "rho", "timeout_hours"}`, with `executions`,
-    `tasks`, `timed_out`), or `{"error": why}` when the trace cannot identify it."""
+def _fit(wl: SampledWorkload) -> FittedDurationModel | str:
+    """The duration model fitted to a recorded workload, or why the trace cannot identify one."""
     try:
-        fit = fit_duration_model(wl.duration_s, wl.group, wl.timed_out)
+        return fit_duration_model(wl.duration_s, wl.group, wl.timed_out)
     except ValueError as exc:
-        return {"error": str(exc)}
-    return fit.summary()
+        return str(exc)
 
 
 def format_prediction(report: dict[str, Any]) -> str:
