@@ -1,0 +1,103 @@
+"""Where elastic's time above the lower bound goes: the cell-time profile of the best elastic candidate,
+phase by phase (`gyre_ray.sim.waste`), for every preset at eta 1 on 2 .. 8 cells (issue 8's cases).
+
+Per case it prints the ratio to the bound, the run's non-work as a share of cells x makespan (empty
+rollout room, other training-role time, switching), the share the bound grants, and the non-work of
+the first phase (before update 0), the middle phases and the last phase (after the second-to-last
+update), in cell-hours. Same workloads as `tests/test_sim_near_bound*.py` (8 steps, seed 0).
+
+Usage: python benchmarks/bench_sim_waste.py [--steps 8] [--seed 0] [--cells 2,3,...] [--out benchmarks/results]
+Saves sim_waste_cpu<cores>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from gyre_ray.sim.engine import SimCosts
+from gyre_ray.sim.presets import PRESETS
+from gyre_ray.sim.runner import best_elastic
+from gyre_ray.sim.waste import profile_summary
+from gyre_ray.sim.workload import sample_workload
+
+HOUR = 3600.0
+
+
+def case(name: str, cells: int, steps: int, seed: int, eta: int, costs: SimCosts) -> dict:
+    """The best elastic candidate's profile on one preset and cell count."""
+    wl = sample_workload(PRESETS[name], steps, seed)
+    result = best_elastic(wl, cells, eta, costs, record=True)
+    summary = profile_summary(result, wl, costs.optimizer_step_s)
+    phases = summary["phases"]
+
+    def non_work(rows: list[dict]) -> float:
+        return sum(r["rollout_empty_s"] + r["train_other_s"] + r["switching_s"] for r in rows) / HOUR
+
+    best = min(result.knobs["sweep_makespan_s"], key=result.knobs["sweep_makespan_s"].get)
+    return {
+        "preset": name,
+        "best_candidate": best,
+        **summary,
+        "non_work_cell_h_first_middle_last": [
+            round(non_work(phases[:1]), 3),
+            round(non_work(phases[1:-1]), 3),
+            round(non_work(phases[-1:]), 3),
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eta", type=int, default=1)
+    parser.add_argument("--cells", default="2,3,4,5,6,7,8")
+    parser.add_argument("--presets", default="nl2repo,nl2repo-hard,terminal")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    costs = SimCosts()
+    rows = []
+    print(
+        f"{'preset':13s} {'cells':>5s} {'x bound':>8s} {'non-work':>9s} {'granted':>8s} {'empty':>7s} "
+        f"{'train':>7s} {'switch':>7s}  {'first/middle/last phases, cell-h':>34s}  best"
+    )
+    started = time.monotonic()
+    for name in args.presets.split(","):
+        for cells in (int(c) for c in args.cells.split(",")):
+            row = case(name, cells, args.steps, args.seed, args.eta, costs)
+            rows.append(row)
+            whole = cells * row["makespan_s"]
+            totals = row["totals_cell_s"]
+            share = {k: 100 * v / whole for k, v in totals.items()}
+            first, middle, last = row["non_work_cell_h_first_middle_last"]
+            print(
+                f"{name:13s} {cells:5d} {row['ratio_to_bound']:8.4f} "
+                f"{100 * row['non_work_cell_s'] / whole:8.1f}% {100 * row['bound_grants_cell_s'] / whole:7.1f}% "
+                f"{share['rollout_empty_s']:6.1f}% {share['train_other_s']:6.1f}% {share['switching_s']:6.1f}%  "
+                f"{first:10.2f} / {middle:8.2f} / {last:8.2f}          {row['best_candidate']}",
+                flush=True,
+            )
+    report = {
+        "hardware": f"cpu{os.cpu_count()}",
+        "python": platform.python_version(),
+        "steps": args.steps,
+        "seed": args.seed,
+        "staleness": args.eta,
+        "costs": vars(costs),
+        "seconds": round(time.monotonic() - started, 1),
+        "cases": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"sim_waste_{report['hardware']}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
