@@ -145,6 +145,11 @@ def test_attach_refuses_while_the_recorded_driver_runs(
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "train"])
     try:
         info["driver"]["pid"] = driver.pid  # a driver that still runs
+        # until the child has exec'd, its /proc cmdline is the forked parent's (no "train"): the check
+        # would then let the attach through to the unreachable RAY_ADDRESS, which blocks for minutes
+        cmdline, deadline = Path(f"/proc/{driver.pid}/cmdline"), time.monotonic() + 30
+        while b"train" not in cmdline.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         (tmp_path / live_run.LIVE_FILE).write_text(json.dumps(info))
         monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
         cfg = load_config("jobs/configs/toy.yaml", ["run.steps=3", "run.checkpoint_every=1"])
