@@ -172,3 +172,24 @@ def test_resume_without_a_cluster_drops_a_stale_live_file(
 def test_attach_on_the_command_line_takes_no_overrides(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["train", "--attach", str(tmp_path), "run.steps=4"]) == 2
     assert "--attach takes the live run as it is" in capsys.readouterr().err
+
+
+def test_a_ray_address_nothing_answers_at_fails_at_once_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`ray.init` would wait minutes for the GCS of a wrong RAY_ADDRESS; the job says so in seconds."""
+    from gyre_ray.ports import free_port
+    from gyre_ray.runtime.cluster import check_ray_address, connect_ray
+
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=f"RAY_ADDRESS={address}: no Ray cluster answers there"):
+        connect_ray(load_config("jobs/configs/toy.yaml"))
+    run_root = tmp_path / "runs"
+    assert main(["train", "--config", "jobs/configs/toy.yaml", f"run.run_dir={run_root}"]) == 2
+    err = capsys.readouterr().err
+    assert "no Ray cluster answers there" in err and "Traceback" not in err
+    assert time.monotonic() - started < 60
+    for other in ("auto", "ray://127.0.0.1:1", "http://127.0.0.1:1"):
+        check_ray_address(other)  # left to Ray

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.cells.cell import EngineFactory
-from gyre_ray.config import GyreConfig
+from gyre_ray.config import ConfigError, GyreConfig
 
 STORE_NAME = "store"
 SCHEDULER_NAME = "scheduler"
@@ -54,6 +54,7 @@ def connect_ray(config: GyreConfig) -> bool:
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the job prints its own progress
     if os.environ.get("RAY_ADDRESS"):
+        check_ray_address(os.environ["RAY_ADDRESS"])
         ray.init(logging_level="WARNING")
     else:
         gpus = math.ceil(config.cells.num_cells * config.cells.gpus_per_cell)
@@ -68,6 +69,23 @@ def connect_ray(config: GyreConfig) -> bool:
 
 
 LOCAL_RAY_ATTEMPTS = 3
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a `host:port` RAY_ADDRESS that nothing answers at: `ray.init` would wait for its GCS for
+    many minutes before failing. Other forms (`auto`, `ray://...`) are left to Ray."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in host:
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
+            "(`ray start --head`) or unset RAY_ADDRESS for a private local Ray"
+        ) from None
 
 
 def start_local_ray(**options: Any) -> None:
