@@ -23,32 +23,16 @@ from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.presets import PRESETS
 from gyre_ray.sim.runner import best_elastic
 from gyre_ray.sim.waste import profile_summary
-from gyre_ray.sim.workload import sample_workload
+from gyre_ray.sim.workload import SampledWorkload, sample_workload
 
 HOUR = 3600.0
 
 
-def case(name: str, cells: int, steps: int, seed: int, eta: int, costs: SimCosts) -> dict:
-    """The best elastic candidate's profile on one preset and cell count."""
-    wl = sample_workload(PRESETS[name], steps, seed)
+def case(name: str, wl: SampledWorkload, cells: int, eta: int, costs: SimCosts) -> dict:
+    """The best elastic candidate's profile on one preset's workload and cell count."""
     result = best_elastic(wl, cells, eta, costs, record=True)
-    summary = profile_summary(result, wl, costs.optimizer_step_s)
-    phases = summary["phases"]
-
-    def non_work(rows: list[dict]) -> float:
-        return sum(r["rollout_empty_s"] + r["train_other_s"] + r["switching_s"] for r in rows) / HOUR
-
     best = min(result.knobs["sweep_makespan_s"], key=result.knobs["sweep_makespan_s"].get)
-    return {
-        "preset": name,
-        "best_candidate": best,
-        **summary,
-        "non_work_cell_h_first_middle_last": [
-            round(non_work(phases[:1]), 3),
-            round(non_work(phases[1:-1]), 3),
-            round(non_work(phases[-1:]), 3),
-        ],
-    }
+    return {"preset": name, "best_candidate": best, **profile_summary(result, wl, costs.optimizer_step_s)}
 
 
 def main() -> None:
@@ -68,13 +52,14 @@ def main() -> None:
     )
     started = time.monotonic()
     for name in args.presets.split(","):
+        wl = sample_workload(PRESETS[name], args.steps, args.seed)
         for cells in (int(c) for c in args.cells.split(",")):
-            row = case(name, cells, args.steps, args.seed, args.eta, costs)
+            row = case(name, wl, cells, args.eta, costs)
             rows.append(row)
             whole = cells * row["makespan_s"]
             totals = row["totals_cell_s"]
             share = {k: 100 * v / whole for k, v in totals.items()}
-            first, middle, last = row["non_work_cell_h_first_middle_last"]
+            first, middle, last = (v / HOUR for v in row["non_work_cell_s_by_part"].values())
             print(
                 f"{name:13s} {cells:5d} {row['ratio_to_bound']:8.4f} "
                 f"{100 * row['non_work_cell_s'] / whole:8.1f}% {100 * row['bound_grants_cell_s'] / whole:7.1f}% "

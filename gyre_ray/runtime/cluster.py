@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import secrets
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,6 @@ LOCAL_RAY_ATTEMPTS = 3
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
     """Refuse a `host:port` RAY_ADDRESS that nothing answers at: `ray.init` would wait for its GCS for
     many minutes before failing. Other forms (`auto`, `ray://...`) are left to Ray."""
-    import socket
-
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or "/" in host:
         return

@@ -667,10 +667,8 @@ class SchedulerActor:
     the agents and the store go on being scheduled); a `run` or `join` with the same arguments then
     waits for it."""
 
-    def __init__(self, *args: Any, options_blob: bytes = b"", **kwargs: Any) -> None:
-        if options_blob:
-            kwargs.update(ray.cloudpickle.loads(options_blob))
-        self.scheduler = RunScheduler(*args, **kwargs)
+    def __init__(self, *args: Any, options_blob: bytes) -> None:
+        self.scheduler = RunScheduler(*args, **ray.cloudpickle.loads(options_blob))
         self.keeper = RunKeeper()
         call = None
         if actor_was_restarted():

@@ -45,45 +45,46 @@ class PhaseProfile:
         return self.rollout_empty_s + self.train_other_s + self.switching_s
 
 
-def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
-    return max(0.0, min(a1, b1) - max(a0, b0))
-
-
 def waste_profile(result: SimResult, wl: SampledWorkload) -> list[PhaseProfile]:
-    """Per-phase cell time of a run simulated with `record=True` (ValueError otherwise)."""
+    """Per-phase cell time of a run simulated with `record=True` (ValueError otherwise).
+
+    Each cell's time is cut at every role change, load change and update; each piece has one role,
+    one load and one phase, so a pass over the pieces sums everything (micro-steps are then moved
+    from other training-role time to training)."""
     tl = result.timeline
     if not tl.record:
         raise ValueError("waste_profile needs a run simulated with record=True (the cells' load curves)")
-    n_cells, end = result.n_cells, result.makespan_s
-    capacity = wl.capacity_per_cell(n_cells)
-    bounds = [0.0, *result.update_times]
-    if bounds[-1] < end:
-        bounds.append(end)
-    phases = list(zip(bounds[:-1], bounds[1:], strict=True))
-    sums = np.zeros((len(phases), len(KINDS)))
-    for cell in range(n_cells):
-        segments = [(s, end if e is None else e, kind) for s, e, kind in tl.segments[cell]]
-        loads = tl.loads[cell]
-        steps = [(t, loads[i + 1][0] if i + 1 < len(loads) else end, v) for i, (t, v) in enumerate(loads)]
-        for s, e, kind in segments:
-            for p, (p0, p1) in enumerate(phases):
-                span = _overlap(s, e, p0, p1)
-                if span <= 0:
-                    continue
-                if kind == "rollout":
-                    busy = sum(_overlap(t0, t1, max(s, p0), min(e, p1)) * v for t0, t1, v in steps) / capacity
-                    sums[p, 0] += busy
-                    sums[p, 1] += span - busy
-                elif kind == "train":
-                    sums[p, 3] += span  # the micro-steps are moved to train_busy below
-                else:
-                    sums[p, 4] += span
-    for _, start, stop, _, _ in tl.micros:
-        for p, (p0, p1) in enumerate(phases):
-            span = _overlap(start, stop, p0, p1)
+    end = result.makespan_s
+    capacity = wl.capacity_per_cell(result.n_cells)
+    bounds = np.array([0.0, *(t for t in result.update_times if t < end), end])
+    sums = np.zeros((bounds.size - 1, len(KINDS)))
+    for cell in range(result.n_cells):
+        starts = np.array([s for s, _, _ in tl.segments[cell]])
+        kinds = [kind for _, _, kind in tl.segments[cell]]
+        load_t, load_v = (np.array(x) for x in zip(*tl.loads[cell], strict=True))
+        cuts = np.unique(np.concatenate([starts, load_t, bounds]))
+        cuts = cuts[(cuts >= 0) & (cuts <= end)]
+        t0, span = cuts[:-1], np.diff(cuts)
+        phase = np.searchsorted(bounds, t0, side="right") - 1
+        segment = np.searchsorted(starts, t0, side="right") - 1
+        load = load_v[np.searchsorted(load_t, t0, side="right") - 1]
+        rollout = np.array([kinds[i] == "rollout" for i in segment])
+        train = np.array([kinds[i] == "train" for i in segment])
+        busy = np.where(rollout, span * load / capacity, 0.0)
+        np.add.at(sums[:, 0], phase, busy)
+        np.add.at(sums[:, 1], phase, np.where(rollout, span, 0.0) - busy)
+        np.add.at(sums[:, 3], phase, np.where(train, span, 0.0))
+        np.add.at(sums[:, 4], phase, np.where(rollout | train, 0.0, span))
+    for _, start, stop, _, _ in tl.micros:  # a micro-step may cross an update: split it at the bounds
+        first, last = np.searchsorted(bounds, [start, stop], side="right") - 1
+        for p in range(first, min(last, bounds.size - 2) + 1):
+            span = min(stop, bounds[p + 1]) - max(start, bounds[p])
             sums[p, 2] += span
             sums[p, 3] -= span
-    return [PhaseProfile(p, p0, p1, *(float(x) for x in sums[p])) for p, (p0, p1) in enumerate(phases)]
+    return [
+        PhaseProfile(p, float(bounds[p]), float(bounds[p + 1]), *(float(x) for x in sums[p]))
+        for p in range(bounds.size - 1)
+    ]
 
 
 def bound_grant_s(result: SimResult, wl: SampledWorkload, optimizer_step_s: float) -> float:
@@ -101,6 +102,7 @@ def profile_summary(result: SimResult, wl: SampledWorkload, optimizer_step_s: fl
     totals = {kind: round(sum(getattr(p, kind) for p in phases), 1) for kind in KINDS}
     non_work = sum(p.non_work_s for p in phases)
     granted = bound_grant_s(result, wl, optimizer_step_s)
+    parts = {"first": phases[:1], "middle": phases[1:-1], "last": phases[-1:]}
     return {
         "cells": result.n_cells,
         "makespan_s": round(result.makespan_s, 1),
@@ -109,6 +111,8 @@ def profile_summary(result: SimResult, wl: SampledWorkload, optimizer_step_s: fl
         "totals_cell_s": totals,
         "non_work_cell_s": round(non_work, 1),
         "bound_grants_cell_s": round(granted, 1),
+        # before update 0; between it and the second-to-last update; after that
+        "non_work_cell_s_by_part": {k: round(sum(p.non_work_s for p in v), 1) for k, v in parts.items()},
         "phases": [
             {**{k: round(v, 1) for k, v in asdict(p).items() if k != "phase"}, "phase": p.phase}
             for p in phases
