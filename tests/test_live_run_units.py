@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -193,3 +194,12 @@ def test_a_ray_address_nothing_answers_at_fails_at_once_in_one_line(
     assert time.monotonic() - started < 60
     for other in ("auto", "ray://127.0.0.1:1", "http://127.0.0.1:1"):
         check_ray_address(other)  # left to Ray
+    with socket.create_server(("127.0.0.1", 0)) as server:  # something answers: let Ray connect
+        check_ray_address(f"127.0.0.1:{server.getsockname()[1]}")
+    if socket.has_ipv6:
+        try:
+            server = socket.create_server(("::1", 0), family=socket.AF_INET6)
+        except OSError:  # no IPv6 loopback here
+            return
+        with server:
+            check_ray_address(f"[::1]:{server.getsockname()[1]}")

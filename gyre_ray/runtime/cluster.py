@@ -79,7 +79,7 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
     if not host or not port.isdigit() or "/" in host:
         return
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()  # [::1]:6379
     except OSError as exc:
         raise ConfigError(
             f"RAY_ADDRESS={address}: no Ray cluster answers there ({exc.strerror or exc}); start one "
