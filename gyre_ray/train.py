@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,6 @@ def train(
     (`gyre_ray.live_run`).
     """
     from gyre_ray import live_run
-    from gyre_ray.core_restart import CoreLost, describe, restart_row
     from gyre_ray.warmup.sft import prepare_policy
 
     live, restarts = None, []
@@ -144,9 +144,50 @@ def train(
         start = _resume_folder(cfg, run_dir, require_latest(run_dir))
     elif attach is None:
         run_dir, start = new_run_dir(cfg), None
+    try:
+        summary = _run_segments(cfg, run_dir, start, restarts, (engine_factory, execute), live)
+    except BaseException as exc:
+        note_failure(run_dir, exc)
+        raise
+    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run that ends well is no failed run
+    return summary
+
+
+FAILED_FILE = "failed.json"
+
+
+def note_failure(run_dir: Path, exc: BaseException) -> None:
+    """Say in the run folder why the run stopped (`failed.json`: the error, when, the steps logged);
+    the folder keeps what was saved before (metrics, records, checkpoints: `--resume` continues)."""
+    from gyre_ray.proxy.store_files import json_lines
+
+    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+    note = {
+        "error": why,
+        "failed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "steps_logged": sum(1 for _ in json_lines(run_dir / "metrics.jsonl")),
+    }
+    try:
+        (run_dir / FAILED_FILE).write_text(json.dumps(note, indent=2))
+    except OSError:  # the folder itself is what failed (a full or read-only disk): the error says so
+        return
+    print(f"gyre-ray: the run stopped; {run_dir / FAILED_FILE} says why", file=sys.stderr, flush=True)
+
+
+def _run_segments(
+    cfg: GyreConfig,
+    run_dir: Path,
+    start: tuple[Path | None, int, float] | None,
+    restarts: list[dict[str, Any]],
+    factories: tuple[Any, Any],
+    live: Any,
+) -> dict[str, Any]:
+    """`_run_segment` until one ends the run, restarting from the newest checkpoint when the core dies."""
+    from gyre_ray.core_restart import CoreLost, describe, restart_row
+
     while True:
         try:
-            return _run_segment(cfg, run_dir, start, restarts, (engine_factory, execute), live)
+            return _run_segment(cfg, run_dir, start, restarts, factories, live)
         except CoreLost as lost:
             live = None
             limit = cfg.run.max_core_restarts

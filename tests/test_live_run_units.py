@@ -191,6 +191,10 @@ def test_a_ray_address_nothing_answers_at_fails_at_once_in_one_line(
     assert main(["train", "--config", "jobs/configs/toy.yaml", f"run.run_dir={run_root}"]) == 2
     err = capsys.readouterr().err
     assert "no Ray cluster answers there" in err and "Traceback" not in err
+    (folder,) = run_root.iterdir()  # the run folder says why it holds no run
+    failed = json.loads((folder / "failed.json").read_text())
+    assert failed["error"].startswith("ConfigError: RAY_ADDRESS=") and failed["steps_logged"] == 0
+    assert f"{folder / 'failed.json'} says why" in err
     assert time.monotonic() - started < 60
     for other in ("auto", "ray://127.0.0.1:1", "http://127.0.0.1:1"):
         check_ray_address(other)  # left to Ray
@@ -203,3 +207,17 @@ def test_a_ray_address_nothing_answers_at_fails_at_once_in_one_line(
             return
         with server:
             check_ray_address(f"[::1]:{server.getsockname()[1]}")
+
+
+def test_an_interrupted_run_says_so_in_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gyre_ray import train as train_module
+
+    def interrupted(*args: object) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_run_segments", interrupted)
+    cfg = load_config("jobs/configs/toy.yaml", [f"run.run_dir={tmp_path}"])
+    with pytest.raises(KeyboardInterrupt):
+        train_module.train(cfg)
+    (folder,) = tmp_path.iterdir()
+    assert json.loads((folder / "failed.json").read_text())["error"] == "interrupted"

@@ -18,8 +18,10 @@ state from what outlived the old process:
   version, undrained. Training of the step in progress starts again from its micro-batches: the
   gradients summed so far (core and satellites) are dropped, so nothing is counted twice. If the
   core had already taken the step's optimizer step (its version is ahead of the journal), that
-  update counts as done and is published. A cell that died with the old scheduler (cells it had
-  restarted are detached now, but a kill may hit both) is restarted as after any cell loss.
+  update counts as done and is published. With `elastic_duration_prior: auto` the sibling order's
+  duration model is fitted again from the journaled outcomes (as at a step's end). A cell that
+  died with the old scheduler (cells it had restarted are detached now, but a kill may hit both)
+  is restarted as after any cell loss.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ class SchedulerReattach:
             "cells_reset": reset, "update_recovered": recovered_update,
             "reattach_s": round(time.monotonic() - started, 3),
         })  # fmt: skip
+        if self.cfg.scheduler.fits_duration_prior and self.updates > self.first_step:
+            # the dead actor's policy held a fit of the ended executions; without this refit the new
+            # one would launch in id order until the next step's end
+            self.scheduler_restarts[-1]["duration_model"] = self._refit_duration_prior()
 
     def _rebook(self, state: JournalState) -> dict[str, int]:
         """Executions the journal knows: ended ones with their outcome, the others reattached."""
