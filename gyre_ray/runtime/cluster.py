@@ -19,6 +19,7 @@ A cell's drain flag lives in the cell; every proxy replica routes by it (`ProxyS
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import secrets
@@ -45,8 +46,6 @@ def connect_ray(config: GyreConfig) -> bool:
 
     Returns True when this call started Ray (the caller then shuts it down). No-op if Ray is up.
     """
-    import logging
-
     import ray
 
     if ray.is_initialized():
@@ -70,6 +69,7 @@ def connect_ray(config: GyreConfig) -> bool:
 
 
 LOCAL_RAY_ATTEMPTS = 3
+_AUTH_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
@@ -91,9 +91,12 @@ def start_local_ray(**options: Any) -> None:
     """`ray.init(address="local", ...)`, tried again when the new node misses Ray's fixed 30 s start-up
     wait (its raylet registers late on a machine busy with other work); other errors propagate. The
     failed attempt's processes are left to the reaper Ray spawned with them, which ends them when this
-    driver exits."""
+    driver exits. Ray's token auth stays on (unless RAY_AUTH_MODE says otherwise)."""
     import ray
 
+    # Ray's default for a new local cluster is token auth, enabled with a warning line at every start
+    # that tells how to opt out: the auth stays, the line goes
+    logging.getLogger(_AUTH_SETUP_LOGGER).setLevel(logging.ERROR)
     for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
         try:
             ray.init(address="local", **options)
