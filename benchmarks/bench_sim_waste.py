@@ -6,6 +6,12 @@ rollout room, other training-role time, switching), the share the bound grants, 
 the first phase (before update 0), the middle phases and the last phase (after the second-to-last
 update), in cell-hours. Same workloads as `tests/test_sim_near_bound*.py` (8 steps, seed 0).
 
+Pictures: `--plot` (default docs/images/sim-waste.png) draws the non-work shares of every case
+(`gyre_ray.sim.plot.plot_waste`); `--timeline PRESET:CELLS` (default nl2repo:2) draws that case's
+cell-role timeline online (the best candidate) above the same executions launched longest first
+(`longest_first`, clairvoyant) into docs/images/sim-timeline-<preset>-<cells>cells.png (`""` for none).
+`--from-json FILE` redraws the share picture from a saved run without simulating.
+
 Usage: python benchmarks/bench_sim_waste.py [--steps 8] [--seed 0] [--cells 2,3,...] [--out benchmarks/results]
 Saves sim_waste_cpu<cores>.json.
 """
@@ -20,12 +26,14 @@ import time
 from pathlib import Path
 
 from gyre_ray.sim.engine import SimCosts
+from gyre_ray.sim.plot import plot_timelines, plot_waste
 from gyre_ray.sim.presets import PRESETS
 from gyre_ray.sim.runner import best_elastic
 from gyre_ray.sim.waste import profile_summary
-from gyre_ray.sim.workload import SampledWorkload, sample_workload
+from gyre_ray.sim.workload import SampledWorkload, longest_first, sample_workload
 
 HOUR = 3600.0
+IMAGES = Path("docs/images")
 
 
 def case(name: str, wl: SampledWorkload, cells: int, eta: int, costs: SimCosts) -> dict:
@@ -33,6 +41,32 @@ def case(name: str, wl: SampledWorkload, cells: int, eta: int, costs: SimCosts) 
     result = best_elastic(wl, cells, eta, costs, record=True)
     best = min(result.knobs["sweep_makespan_s"], key=result.knobs["sweep_makespan_s"].get)
     return {"preset": name, "best_candidate": best, **profile_summary(result, wl, costs.optimizer_step_s)}
+
+
+def waste_title(steps: int, seed: int, eta: int) -> str:
+    return (
+        f"elastic (best candidate) at eta {eta}, {steps} steps, seed {seed}: time in which cells do no work, "
+        "by kind; label = makespan / lower bound"
+    )
+
+
+def draw_timeline(case_name: str, steps: int, seed: int, eta: int, costs: SimCosts) -> Path:
+    """One case's timeline online (best candidate) and launched longest first (best candidate, FIFO)."""
+    name, _, cells_text = case_name.partition(":")
+    cells = int(cells_text)
+    wl = sample_workload(PRESETS[name], steps, seed)
+    online = best_elastic(wl, cells, eta, costs, record=True)
+    clairvoyant = best_elastic(longest_first(wl), cells, eta, costs, record=True, sibling=False)
+    for result, how in ((online, "online"), (clairvoyant, "launched longest first (clairvoyant)")):
+        sweep = result.knobs["sweep_makespan_s"]
+        result.label = f"{how}, {min(sweep, key=sweep.get)}"
+    path = IMAGES / f"sim-timeline-{name}-{cells}cells.png"
+    plot_timelines(
+        [online, clairvoyant], path, wl.capacity_per_cell(cells),
+        title=f"{name}, {cells} cells, eta {eta}, {steps} steps, seed {seed}: the same executions, two launch orders",
+    )  # fmt: skip
+    print(f"saved {path}")
+    return path
 
 
 def main() -> None:
@@ -43,8 +77,18 @@ def main() -> None:
     parser.add_argument("--cells", default="2,3,4,5,6,7,8")
     parser.add_argument("--presets", default="nl2repo,nl2repo-hard,terminal")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--plot", default=str(IMAGES / "sim-waste.png"), help="the shares picture ('' for none)"
+    )
+    parser.add_argument("--timeline", default="nl2repo:2", help="PRESET:CELLS timeline picture ('' for none)")
+    parser.add_argument("--from-json", default="", help="only redraw --plot from this saved run")
     args = parser.parse_args()
     costs = SimCosts()
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        title = waste_title(saved["steps"], saved["seed"], saved["staleness"])
+        print(f"saved {plot_waste(saved['cases'], args.plot, title)}")
+        return
     rows = []
     print(
         f"{'preset':13s} {'cells':>5s} {'x bound':>8s} {'non-work':>9s} {'granted':>8s} {'empty':>7s} "
@@ -82,6 +126,10 @@ def main() -> None:
     path = out / f"sim_waste_{report['hardware']}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"saved {path}")
+    if args.plot:
+        print(f"saved {plot_waste(rows, args.plot, waste_title(args.steps, args.seed, args.eta))}")
+    if args.timeline:
+        draw_timeline(args.timeline, args.steps, args.seed, args.eta, costs)
 
 
 if __name__ == "__main__":

@@ -70,3 +70,22 @@ def test_a_run_without_its_load_curves_is_refused() -> None:
     wl = sample_workload(SPEC, steps=1, seed=0)
     with pytest.raises(ValueError, match="record=True"):
         waste_profile(run_policy(wl, "colocate", 1, 0), wl)
+
+
+def test_the_waste_picture_draws_every_case_and_refuses_none(tmp_path) -> None:
+    from PIL import Image
+
+    from gyre_ray.sim.plot import plot_waste
+
+    wl = sample_workload(SPEC, steps=4, seed=3)
+    cases = [
+        {"preset": name, **profile_summary(run_policy(wl, "elastic", cells, 1, None, True), wl, 10.0)}
+        for name in ("a", "b")
+        for cells in (2, 3, 4)
+    ]
+    path = plot_waste(cases, tmp_path / "waste.png", "title")
+    with Image.open(path) as image:
+        width, height = image.size
+    assert image.format == "PNG" and width > 2 * height  # two panels side by side
+    with pytest.raises(ValueError, match="no cases to draw"):
+        plot_waste([], tmp_path / "none.png")

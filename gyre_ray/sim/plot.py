@@ -92,3 +92,64 @@ def _draw(ax: Any, result: SimResult, capacity: float, horizon: float) -> None:
         fontsize=9,
         loc="left",
     )
+
+
+_WASTE_PARTS = (  # (key in totals_cell_s, label, colour): the non-work parts of `gyre_ray.sim.waste`
+    ("rollout_empty_s", "empty rollout room", _COLORS["rollout"]),
+    ("train_other_s", "trainers waiting / syncing", _COLORS["train"]),
+    ("switching_s", "switching", _COLORS["to_train"]),
+)
+
+
+def plot_waste(cases: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Where the time above the bound goes (`benchmarks/bench_sim_waste.py`'s cases, one panel per preset).
+
+    Each bar is one cell count: the run's non-work as a share of cells x makespan, split into empty
+    rollout room, other training-role time and switching; the black tick is the share the bound
+    grants (what no schedule avoids); the label is the run's makespan over the bound.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    presets = list(dict.fromkeys(c["preset"] for c in cases))
+    if not presets:
+        raise ValueError("plot_waste: no cases to draw")
+    most = max(len([c for c in cases if c["preset"] == p]) for p in presets)
+    fig, axes = plt.subplots(
+        1, len(presets), figsize=(4.2 * len(presets), 1.4 + 0.36 * most), sharex=True, squeeze=False
+    )
+    widest = 0.0
+    for ax, preset in zip(axes[0], presets, strict=True):
+        rows = sorted((c for c in cases if c["preset"] == preset), key=lambda c: c["cells"])
+        for y, row in enumerate(rows):
+            whole = row["cells"] * row["makespan_s"]
+            left = 0.0
+            for key, _, colour in _WASTE_PARTS:
+                share = 100 * row["totals_cell_s"][key] / whole
+                ax.barh(y, share, left=left, height=0.7, color=colour, edgecolor="#8a8a8a", linewidth=0.3)
+                left += share
+            granted = 100 * row["bound_grants_cell_s"] / whole
+            ax.plot([granted, granted], [y - 0.42, y + 0.42], color="black", linewidth=1.4)
+            ax.text(left + 0.3, y, f"{row['ratio_to_bound']:.3f}x", va="center", fontsize=7)
+            widest = max(widest, left, granted)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"{row['cells']} cells" for row in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(preset, fontsize=9, loc="left")
+        ax.set_xlabel("% of cells x makespan", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0, 0].set_xlim(0, widest * 1.25 + 1)
+    handles = [Patch(facecolor=colour, edgecolor="#8a8a8a", label=label) for _, label, colour in _WASTE_PARTS]
+    handles.append(Line2D([], [], color="black", linewidth=1.4, label="granted by the bound"))
+    fig.legend(handles=handles, loc="upper center", ncol=4, frameon=False, fontsize=8)
+    if title:
+        fig.suptitle(title, y=0.02, fontsize=8, va="bottom")
+    fig.tight_layout(rect=(0, 0.05 if title else 0, 1, 1 - 0.25 / fig.get_figheight()))
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
