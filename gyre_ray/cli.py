@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "gyre_ray.proxy.cli",
     "gyre_ray.trainers.cli",
     "gyre_ray.observability.report",
+    "gyre_ray.runs_cli",
 )
 
 

@@ -1,0 +1,96 @@
+"""`gyre-ray runs`: each run folder's status from what the job left (summary, failed.json, live-run.json,
+nothing), its steps, reward and newest checkpoint, and the next step; warm-up caches and other folders
+left out; clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.checkpoint import CHECKPOINTS, STATE_FILE, TRAINER_DIR, checkpoint_name
+from gyre_ray.cli import main
+from gyre_ray.runs_cli import list_runs
+
+
+def make_run(
+    root: Path, name: str, steps: int, rewards: list[float], mtime: float, checkpoint: int | None = None
+) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"run": {"steps": steps}}))
+    rows = [{"step": i, "reward_mean": r} for i, r in enumerate(rewards)]
+    (folder / "metrics.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in rows) + '{"step": 9, "rew'
+    )
+    if checkpoint is not None:
+        saved = folder / CHECKPOINTS / checkpoint_name(checkpoint)
+        (saved / TRAINER_DIR).mkdir(parents=True)
+        (saved / STATE_FILE).write_text(json.dumps({"step": checkpoint}))
+    os.utime(folder / "config.json", (mtime, mtime))
+    return folder
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    done = make_run(tmp_path, "done", 4, [0.1, 0.2, 0.3, 0.5], 100.0, checkpoint=4)
+    (done / "summary.json").write_text(json.dumps({"costs": {"makespan_s": 81.5}}))
+    failed = make_run(tmp_path, "failed", 4, [0.2], 200.0)
+    (failed / "failed.json").write_text(json.dumps({"error": "RuntimeError: the core died"}))
+    make_run(tmp_path, "stopped", 6, [0.1, 0.1, 0.2], 300.0, checkpoint=2)
+    live = make_run(tmp_path, "live", 6, [], 400.0)
+    (live / "live-run.json").write_text("{}")
+    torn = make_run(tmp_path, "torn", 2, [0.4, 0.6], 50.0)
+    (torn / "summary.json").write_text('{"costs": {"makes')  # killed while writing its last file
+    warmup = tmp_path / "warmup-abc"
+    warmup.mkdir()
+    (warmup / "config.json").write_text("{}")
+    (warmup / "warmup.json").write_text("{}")
+    (tmp_path / "records").mkdir()
+    return tmp_path
+
+
+def test_each_run_gets_its_status_progress_reward_checkpoint_and_next_step(root: Path) -> None:
+    runs = {run["name"]: run for run in list_runs(root)}
+    assert [run["name"] for run in list_runs(root)] == [
+        "live",
+        "stopped",
+        "failed",
+        "done",
+        "torn",
+    ]  # newest first
+    done = runs["done"]
+    assert (done["status"], done["steps_logged"], done["steps_configured"]) == ("done", 4, 4)
+    assert done["reward_first"] == pytest.approx(0.2) and done["reward_last"] == pytest.approx(1.0 / 3)
+    assert done["makespan_s"] == 81.5 and done["checkpoint_step"] == 4
+    assert runs["failed"]["status"] == "failed" and runs["failed"]["error"] == "RuntimeError: the core died"
+    assert runs["failed"]["next"].startswith("no checkpoint to resume from")
+    stopped = runs["stopped"]
+    assert stopped["status"] == "stopped" and stopped["checkpoint_step"] == 2
+    assert stopped["next"] == f"gyre-ray train --resume {root / 'stopped'}"
+    assert runs["live"]["status"] == "live" and "--attach" in runs["live"]["next"]
+    assert runs["live"]["reward_first"] is None
+    assert runs["torn"]["status"] == "done" and runs["torn"]["makespan_s"] is None
+
+
+def test_the_command_prints_a_table_and_json_and_says_what_is_wrong(
+    root: Path, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["runs", str(root)]) == 0
+    out = capsys.readouterr().out
+    table = {line.split()[0]: line for line in out.splitlines()[1:6]}
+    assert set(table) == {"live", "stopped", "failed", "done", "torn"}
+    assert "done" in table["done"] and "4/4" in table["done"] and "0.200 -> 0.333" in table["done"]
+    assert "81.5 s" in table["done"]
+    assert "failed: RuntimeError: the core died" in out
+    assert f"stopped: gyre-ray train --resume {root / 'stopped'}" in out
+    assert "warmup-abc" not in out and "records" not in out
+    assert main(["runs", str(root), "--json"]) == 0
+    assert {run["name"] for run in json.loads(capsys.readouterr().out)} == set(table)
+    empty = tmp_path_factory.mktemp("empty")
+    assert main(["runs", str(empty)]) == 0
+    assert f"no run folders under {empty}" in capsys.readouterr().out
+    assert main(["runs", str(empty / "nope")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
