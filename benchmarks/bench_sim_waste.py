@@ -29,6 +29,7 @@ from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.plot import plot_timelines, plot_waste
 from gyre_ray.sim.presets import PRESETS
 from gyre_ray.sim.runner import best_elastic
+from gyre_ray.sim.timeline import SimResult
 from gyre_ray.sim.waste import profile_summary
 from gyre_ray.sim.workload import SampledWorkload, longest_first, sample_workload
 
@@ -36,11 +37,17 @@ HOUR = 3600.0
 IMAGES = Path("docs/images")
 
 
-def case(name: str, wl: SampledWorkload, cells: int, eta: int, costs: SimCosts) -> dict:
-    """The best elastic candidate's profile on one preset's workload and cell count."""
+def best_candidate(result: SimResult) -> str:
+    """The label of the candidate `best_elastic` picked (the fastest of its sweep)."""
+    sweep = result.knobs["sweep_makespan_s"]
+    return min(sweep, key=sweep.get)
+
+
+def case(name: str, wl: SampledWorkload, cells: int, eta: int, costs: SimCosts) -> tuple[dict, SimResult]:
+    """The best elastic candidate's profile on one preset's workload and cell count, and its run."""
     result = best_elastic(wl, cells, eta, costs, record=True)
-    best = min(result.knobs["sweep_makespan_s"], key=result.knobs["sweep_makespan_s"].get)
-    return {"preset": name, "best_candidate": best, **profile_summary(result, wl, costs.optimizer_step_s)}
+    row = {"preset": name, "best_candidate": best_candidate(result)}
+    return {**row, **profile_summary(result, wl, costs.optimizer_step_s)}, result
 
 
 def waste_title(steps: int, seed: int, eta: int) -> str:
@@ -50,16 +57,15 @@ def waste_title(steps: int, seed: int, eta: int) -> str:
     )
 
 
-def draw_timeline(case_name: str, steps: int, seed: int, eta: int, costs: SimCosts) -> Path:
-    """One case's timeline online (best candidate) and launched longest first (best candidate, FIFO)."""
-    name, _, cells_text = case_name.partition(":")
-    cells = int(cells_text)
-    wl = sample_workload(PRESETS[name], steps, seed)
-    online = best_elastic(wl, cells, eta, costs, record=True)
+def draw_timeline(
+    name: str, wl: SampledWorkload, online: SimResult, eta: int, steps: int, seed: int, costs: SimCosts
+) -> Path:
+    """The case's timeline online (`online`: its best candidate, recorded) above the same executions
+    launched longest first (best candidate, FIFO)."""
+    cells = online.n_cells
     clairvoyant = best_elastic(longest_first(wl), cells, eta, costs, record=True, sibling=False)
     for result, how in ((online, "online"), (clairvoyant, "launched longest first (clairvoyant)")):
-        sweep = result.knobs["sweep_makespan_s"]
-        result.label = f"{how}, {min(sweep, key=sweep.get)}"
+        result.label = f"{how}, {best_candidate(result)}"
     path = IMAGES / f"sim-timeline-{name}-{cells}cells.png"
     plot_timelines(
         [online, clairvoyant], path, wl.capacity_per_cell(cells),
@@ -90,6 +96,7 @@ def main() -> None:
         print(f"saved {plot_waste(saved['cases'], args.plot, title)}")
         return
     rows = []
+    timeline: tuple[str, SampledWorkload, SimResult] | None = None  # the --timeline case's own run
     print(
         f"{'preset':13s} {'cells':>5s} {'x bound':>8s} {'non-work':>9s} {'granted':>8s} {'empty':>7s} "
         f"{'train':>7s} {'switch':>7s}  {'first/middle/last phases, cell-h':>34s}  best"
@@ -98,8 +105,10 @@ def main() -> None:
     for name in args.presets.split(","):
         wl = sample_workload(PRESETS[name], args.steps, args.seed)
         for cells in (int(c) for c in args.cells.split(",")):
-            row = case(name, wl, cells, args.eta, costs)
+            row, result = case(name, wl, cells, args.eta, costs)
             rows.append(row)
+            if args.timeline == f"{name}:{cells}":
+                timeline = (name, wl, result)
             whole = cells * row["makespan_s"]
             totals = row["totals_cell_s"]
             share = {k: 100 * v / whole for k, v in totals.items()}
@@ -129,7 +138,11 @@ def main() -> None:
     if args.plot:
         print(f"saved {plot_waste(rows, args.plot, waste_title(args.steps, args.seed, args.eta))}")
     if args.timeline:
-        draw_timeline(args.timeline, args.steps, args.seed, args.eta, costs)
+        if timeline is None:  # a case the sweep left out
+            name, _, cells_text = args.timeline.partition(":")
+            wl = sample_workload(PRESETS[name], args.steps, args.seed)
+            timeline = (name, wl, best_elastic(wl, int(cells_text), args.eta, costs, record=True))
+        draw_timeline(*timeline, args.eta, args.steps, args.seed, costs)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.checkpoint import complete_checkpoints, load_state
+from gyre_ray.live_run import LIVE_FILE
 from gyre_ray.proxy.store_files import json_lines
+from gyre_ray.train import FAILED_FILE
 
 FIRST_LAST = 3  # steps averaged at each end of the reward
 
@@ -89,10 +91,10 @@ def describe_run(folder: Path) -> dict[str, Any]:
         run["status"] = "done"
         summary = _read_json(folder / "summary.json")
         run["makespan_s"] = (summary.get("costs") or {}).get("makespan_s")
-    elif (folder / "failed.json").is_file():
+    elif (folder / FAILED_FILE).is_file():
         run["status"] = "failed"
-        run["error"] = _read_json(folder / "failed.json").get("error")
-    elif (folder / "live-run.json").is_file():
+        run["error"] = _read_json(folder / FAILED_FILE).get("error")
+    elif (folder / LIVE_FILE).is_file():
         run["status"] = "live"
     run["next"] = _next_step(run)
     return run

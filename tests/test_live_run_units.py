@@ -221,3 +221,16 @@ def test_an_interrupted_run_says_so_in_its_folder(tmp_path: Path, monkeypatch: p
         train_module.train(cfg)
     (folder,) = tmp_path.iterdir()
     assert json.loads((folder / "failed.json").read_text())["error"] == "interrupted"
+
+
+def test_a_run_that_ends_well_leaves_no_failed_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resumed run that ends removes the failed.json its earlier segment left."""
+    from gyre_ray import train as train_module
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / train_module.FAILED_FILE).write_text('{"error": "interrupted"}')
+    monkeypatch.setattr(train_module, "new_run_dir", lambda cfg: folder)
+    monkeypatch.setattr(train_module, "_run_segments", lambda *args: {"steps": []})
+    train_module.train(load_config("jobs/configs/toy.yaml", [f"run.run_dir={tmp_path}"]))
+    assert not (folder / train_module.FAILED_FILE).exists()
