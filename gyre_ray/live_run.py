@@ -179,13 +179,23 @@ def _named(name: str, namespace: str) -> Any:
         return None
 
 
+def driver_state(driver: Any) -> str:
+    """Whether the driver `live-run.json` names still runs: `running` or `gone` when it ran on this
+    host (its pid looked up in /proc), `elsewhere` when it ran on another host (nothing here can tell)."""
+    if not isinstance(driver, dict) or driver.get("host") != socket.gethostname():
+        return "elsewhere"
+    cmdline = Path(f"/proc/{driver.get('pid')}/cmdline")
+    try:
+        alive = b"train" in cmdline.read_bytes()  # a reused pid runs something else
+    except OSError:
+        alive = False
+    return "running" if alive else "gone"
+
+
 def _refuse_live_driver(info: dict[str, Any]) -> None:
     """Two drivers of one run would both end it: refuse while the recorded one runs on this host."""
     driver = info.get("driver", {})
-    if driver.get("host") != socket.gethostname() or driver.get("pid") == os.getpid():
-        return
-    cmdline = Path(f"/proc/{driver.get('pid')}/cmdline")
-    if cmdline.is_file() and b"train" in cmdline.read_bytes():
+    if driver.get("pid") != os.getpid() and driver_state(driver) == "running":
         raise ConfigError(
             f"the run's driver (pid {driver['pid']}) still runs on this host: it is not dead; stop it or "
             "let it finish"

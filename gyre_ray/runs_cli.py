@@ -6,7 +6,9 @@ to do next where there is something to do. The status is read from what the job 
 - `done`: `summary.json` (the job's last write);
 - `failed`: `failed.json` (an error or Ctrl-C: `gyre_ray.train.note_failure`), with its error;
 - `live`: `live-run.json` (a run on a persistent Ray cluster whose driver is or was attached to it:
-  `gyre-ray train --attach` finishes it if that driver died);
+  `gyre-ray train --attach` finishes it if that driver died), with `driver` from
+  `gyre_ray.live_run.driver_state`: `running`, `gone` (a driver of this host no longer runs: attach,
+  or resume if the cluster went too) or `elsewhere`;
 - `stopped`: none of these (the driver was killed outright, or the machine went down).
 Warm-up caches (`warmup.json`) and folders without `config.json` are not runs and are left out.
 `--json` prints the same as one JSON list.
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.checkpoint import complete_checkpoints, load_state
-from gyre_ray.live_run import LIVE_FILE
+from gyre_ray.live_run import LIVE_FILE, driver_state
 from gyre_ray.proxy.store_files import json_lines
 from gyre_ray.train import FAILED_FILE
 
@@ -83,6 +85,7 @@ def describe_run(folder: Path) -> dict[str, Any]:
         "reward_last": _mean(rewards[-FIRST_LAST:]),
         "makespan_s": None,
         "checkpoint_step": None,
+        "driver": None,
     }
     checkpoints = complete_checkpoints(folder)
     if checkpoints:
@@ -96,6 +99,7 @@ def describe_run(folder: Path) -> dict[str, Any]:
         run["error"] = _read_json(folder / FAILED_FILE).get("error")
     elif (folder / LIVE_FILE).is_file():
         run["status"] = "live"
+        run["driver"] = driver_state(_read_json(folder / LIVE_FILE).get("driver"))
     run["next"] = _next_step(run)
     return run
 
@@ -103,7 +107,13 @@ def describe_run(folder: Path) -> dict[str, Any]:
 def _next_step(run: dict[str, Any]) -> str:
     folder = run["folder"]
     if run["status"] == "live":
-        return f"gyre-ray train --attach {folder} (if its driver died)"
+        if run["driver"] == "running":
+            return "its driver still runs on this host: wait for it (or stop it, then --attach)"
+        attach = f"gyre-ray train --attach {folder}"
+        resume = f"gyre-ray train --resume {folder}"
+        if run["driver"] == "gone":
+            return f"its driver is gone: {attach} finishes it (if the Ray cluster is gone too: {resume})"
+        return f"{attach} (if its driver died)"
     if run["status"] == "done":
         more = run["checkpoint_step"] is not None
         return f"gyre-ray train --resume {folder} run.steps=N (more steps)" if more else ""

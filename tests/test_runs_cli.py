@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,29 @@ def test_the_command_prints_a_table_and_json_and_says_what_is_wrong(
     assert f"no run folders under {empty}" in capsys.readouterr().out
     assert main(["runs", str(empty / "nope")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_a_live_run_says_whether_its_driver_still_runs(tmp_path: Path) -> None:
+    """A live-run.json outlives a driver killed with its cluster: the next step must say so."""
+    here = socket.gethostname()
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "train"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass", "train"])
+    ended.wait()
+    try:
+        drivers = {
+            "running": {"pid": driver.pid, "host": here},
+            "gone": {"pid": ended.pid, "host": here},
+            "elsewhere": {"pid": driver.pid, "host": here + "-other"},
+        }
+        for name, recorded in drivers.items():
+            folder = make_run(tmp_path, name, 4, [], 100.0)
+            (folder / "live-run.json").write_text(json.dumps({"driver": recorded}))
+        runs = {run["name"]: run for run in list_runs(tmp_path)}
+    finally:
+        driver.kill()
+        driver.wait()
+    assert all(run["status"] == "live" for run in runs.values())
+    assert {name: run["driver"] for name, run in runs.items()} == {n: n for n in drivers}
+    assert runs["running"]["next"].startswith("its driver still runs on this host")
+    assert "driver is gone" in runs["gone"]["next"] and "--resume" in runs["gone"]["next"]
+    assert runs["elsewhere"]["next"].endswith("(if its driver died)")
