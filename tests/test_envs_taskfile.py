@@ -160,3 +160,16 @@ def test_bad_task_files_are_refused_with_the_place_named(exec_tmp: Path, text: s
         load_task_file(path)
     with pytest.raises(ValueError, match="unknown task set"):
         get_task_set("no-such-set")
+
+
+def test_a_task_without_an_evaluator_is_scored_by_its_hidden_tests(exec_tmp: Path) -> None:
+    """`evaluator` left out means the documented default: pytest over the hidden tests."""
+    hidden = exec_tmp / "hidden"
+    hidden.mkdir()
+    (hidden / "test_x.py").write_text("def test_x():\n    assert True\n")
+    path = _write(exec_tmp / "tasks.jsonl", '{"id": "a", "prompt": "p", "hidden": "hidden"}\n')
+    (task,) = load_task_file(path)
+    assert task.evaluate.score == "pytest" and task.evaluate.hidden == hidden
+    no_tests = _write(exec_tmp / "bare.jsonl", '{"id": "b", "prompt": "p"}\n')
+    with pytest.raises(TaskFileError, match="needs hidden tests"):
+        load_task_file(no_tests)

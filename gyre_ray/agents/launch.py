@@ -79,13 +79,12 @@ def run_planned_execution(
             cfg.harness, task.prompt, base_url=endpoint.base_url, workspace=path, home=home,
             as_root=runs_as_root(cfg), template=cfg.command, extra_args=cfg.harness_args,
         )  # fmt: skip
-        env = {
+        toy = {
             "GYRE_TOY_TURNS": str(cfg.toy_turns),
             "GYRE_TOY_MAX_TOKENS": str(cfg.toy_max_tokens),
             "GYRE_TOY_TOP_P": str(cfg.toy_top_p),
-            "GYRE_RUN_SEED": str(run_seed),
-            **spec.env,
-        }
+        }  # the toy harness's knobs: no other harness reads them
+        env = {**(toy if cfg.harness == "toy" else {}), "GYRE_RUN_SEED": str(run_seed), **spec.env}
         return run_execution(
             execution_id, task, endpoint, path, command=spec.command,
             timeout_s=task.time_limit_s or cfg.timeout_s, env_extra=env, isolation=cfg.isolation,

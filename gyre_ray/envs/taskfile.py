@@ -160,7 +160,7 @@ def parse_task(raw: Any, base: Path, where: str) -> Task:
         isinstance(k, str) and isinstance(v, str) for k, v in files.items()
     ):
         raise TaskFileError(f"{where}: files must map relative paths to text")
-    spec = raw.get("evaluator")
+    spec = raw.get("evaluator", {})  # left out: the pytest default over the hidden tests
     if not isinstance(spec, dict) or set(spec) - EVAL_KEYS:
         raise TaskFileError(f"{where}: evaluator must be a mapping with keys from {sorted(EVAL_KEYS)}")
     score = spec.get("score", "pytest")

@@ -80,7 +80,7 @@ class MegatronTrainer(Trainer):
         dtype = next(iter(hf_state.values())).dtype
         if dtype not in build.DTYPES.values():
             raise MegatronInputError(
-                f"Megatron trainer: unsupported weight dtype {dtype}; use float32 or bfloat16"
+                f"Megatron trainer: unsupported weight dtype {dtype}; use float32, bfloat16 or float16"
             )
         self.model = build.build_gpt_model(args, self.spec, dtype)
         self.params = dict(self.model.named_parameters())
