@@ -528,3 +528,56 @@ def test_a_request_body_that_stops_arriving_is_a_retryable_503_not_a_hang(tmp_pa
     assert nothing[2]["error"]["type"] == "service_unavailable"
     assert slow[0] == 200 and slow[3] > 0.3, slow
     assert len(lp.store.records(created["execution_id"])) == 1  # only the served call is recorded
+
+
+def test_hopeless_prompts_are_refused_before_encoding_and_errors_name_the_field(proxy, monkeypatch):
+    """A prompt that cannot fit is refused from its length in characters (encoding megabytes would hold
+    the replica's event loop for seconds); errors name the field the client sent, in JSON's words."""
+    huge_text = "x" * (CODEC.context_length * CODEC.longest_token_chars)
+    encoded_lengths: list[int] = []
+    original = type(proxy.service.codec.segments).encode
+    monkeypatch.setattr(
+        type(proxy.service.codec.segments),
+        "encode",
+        lambda self, text: encoded_lengths.append(len(text)) or original(self, text),
+    )
+
+    async def body(c, _):
+        key = {"Authorization": f"Bearer {c.openai.api_key}"}
+        user = [{"role": "user", "content": huge_text}]
+        sent = {
+            "chat": ("/v1/chat/completions", {"model": "m", "messages": user}),
+            "completions": ("/v1/completions", {"model": "m", "prompt": huge_text}),
+            "responses": ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 10**9}),
+            "responses choice": ("/v1/responses", {"model": "m", "input": "hi", "tool_choice": "bogus"}),
+            "anthropic any": (
+                "/v1/messages",
+                {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                 "tool_choice": {"type": "any"}},
+            ),
+        }  # fmt: skip
+        out = {
+            name: await c.http.post(path, json=payload, headers=key) for name, (path, payload) in sent.items()
+        }
+        out["null"] = await c.http.post("/v1/chat/completions", content=b"null", headers=key)
+        out["digits"] = await c.http.post(
+            "/v1/chat/completions", content=b'{"max_tokens": ' + b"9" * 5000 + b"}", headers=key
+        )
+        return out
+
+    out, _ = scenario(proxy, body)
+    assert {name: r.status_code for name, r in out.items()} == dict.fromkeys(out, 400)
+    errors = {name: r.json()["error"] for name, r in out.items()}
+    assert (
+        errors["chat"]["message"].startswith("the prompt is at least")
+        and errors["chat"]["param"] == "messages"
+    )
+    assert errors["completions"]["message"].startswith("the prompt is at least")
+    assert errors["completions"]["param"] == "prompt"
+    assert max(encoded_lengths, default=0) < len(huge_text)  # the huge text was never encoded
+    assert errors["responses"]["param"] == "max_output_tokens"
+    assert errors["responses"]["message"].startswith("max_output_tokens is 1000000000")
+    assert errors["responses choice"]["param"] == "tool_choice"
+    assert errors["anthropic any"]["message"] == "tool_choice 'any' needs tools to choose from"
+    assert errors["null"]["message"] == "the request body must be a JSON object, got null"
+    assert errors["digits"]["message"] == "malformed JSON: a number has more than 4300 digits"

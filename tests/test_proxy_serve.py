@@ -235,3 +235,26 @@ def test_direct_ingress_and_serves_http_proxy_reach_the_same_app(served):
     records = served.records(created["execution_id"])  # read at once: batched records are all there
     assert [r.call_id for r in records] == ids
     assert records[0].output_ids == records[1].output_ids  # same greedy reply either way
+
+
+def test_admin_errors_from_the_store_actor_reach_the_client_as_one_line(served):
+    """The store runs as a Ray actor: its errors come back wrapped with the actor's traceback, which
+    must not reach the HTTP client (only the store's own message, with the right status)."""
+    import httpx
+
+    admin = {"Authorization": f"Bearer {served.admin_token}"}
+    taken = served.register_execution()["execution_id"]
+    with httpx.Client(base_url=served.base_url, timeout=60) as client:
+        replies = {
+            "records": client.get("/gyre/executions/nope/records", headers=admin),
+            "finish": client.post("/gyre/executions/nope/finish", headers=admin),
+            "again": client.post("/gyre/executions", json={"execution_id": taken}, headers=admin),
+            "bad id": client.post("/gyre/executions", json={"execution_id": "../x"}, headers=admin),
+        }
+    assert {name: r.status_code for name, r in replies.items()} == {
+        "records": 404, "finish": 404, "again": 409, "bad id": 400,
+    }  # fmt: skip
+    for name, reply in replies.items():
+        message = reply.json()["error"]["message"]
+        assert "Traceback" not in message and "ray::" not in message and "\n" not in message, (name, message)
+    assert "nope" in replies["records"].json()["error"]["message"]

@@ -185,23 +185,42 @@ def render(
     return "".join(s.text for s in render_segments(messages, tools, add_generation_prompt))
 
 
+class PromptTooLong(ValueError):
+    """The prompt surely has at least `at_least` tokens, more than allowed: found before encoding it."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(f"the prompt is at least {at_least} tokens")
+        self.at_least = at_least
+
+
 def encode_chat(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     assistant_tokens: Mapping[int, Sequence[int]] | None = None,
+    token_limit: tuple[int, int] | None = None,
 ) -> list[int]:
     """Prompt ids, encoding segment by segment; `assistant_tokens[i]` replaces message i's body.
 
     The recorded ids are what the model produced after `<|im_start|>assistant\\n`; when they end
     with a stop id (<|im_end|> / eos) that id stands in for the closing <|im_end|>.
+    `token_limit` = (limit, longest token in characters): a prompt whose text alone needs at least
+    `limit` tokens (each token spells at most that many characters) raises `PromptTooLong` before
+    any encoding, which for a huge prompt takes seconds that nothing else could use.
     """
     assistant_tokens = assistant_tokens or {}
     stop_ids = set(tokenizer.stop_ids())
+    segments = list(render_segments(messages, tools, add_generation_prompt))
+    if token_limit is not None:
+        limit, token_chars = token_limit
+        chars = sum(len(seg.text) for seg in segments if assistant_tokens.get(seg.message_index) is None)
+        at_least = -(-chars // max(token_chars, 1))
+        if at_least >= limit:
+            raise PromptTooLong(at_least)
     ids: list[int] = []
     recorded_stop = False
-    for seg in render_segments(messages, tools, add_generation_prompt):
+    for seg in segments:
         recorded = assistant_tokens.get(seg.message_index) if seg.kind == "assistant" else None
         if recorded is not None and seg.part == "body":
             ids.extend(recorded)

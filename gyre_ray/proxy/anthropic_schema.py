@@ -113,6 +113,8 @@ class CountTokensRequest(Lenient):
         if len(set(names)) != len(names):
             raise bad_request("tools: tool names must be unique", "tools")
         choice = self.tool_choice
+        if choice is not None and choice.type in ("any", "tool") and not names:
+            raise bad_request(f"tool_choice {choice.type!r} needs tools to choose from", "tool_choice")
         if choice is not None and choice.type == "tool" and choice.name not in names:
             raise bad_request(
                 f"tool_choice names {choice.name!r}, which is not among the tools", "tool_choice"

@@ -103,6 +103,8 @@ def _parse_json(body: bytes) -> Any:
     except RecursionError:
         raise ApiError(400, "malformed JSON: nested too deeply") from None
     except ValueError as exc:
+        if "digits" in str(exc):  # Python's int-size guard; its message talks about sys
+            raise ApiError(400, "malformed JSON: a number has more than 4300 digits") from None
         raise ApiError(400, f"malformed JSON: {exc}") from None
     if _SURROGATE_ESCAPE.search(body):  # only an escape can put a surrogate in a parsed string
         _reject_lone_surrogates(value)

@@ -191,7 +191,17 @@ class RayStoreClient:
         self.actor = actor
 
     async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.actor, method).remote(*args)
+        """The store's answer, or the error it raised as itself: Ray's wrapper carries the actor's
+        whole traceback in its text, which must never reach an HTTP client."""
+        from ray.exceptions import RayTaskError
+
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
 
     def submit(self, method: str, *args: Any) -> Any:
         """Send the call now (in order with every other call of this client); returns its ref (awaitable)."""

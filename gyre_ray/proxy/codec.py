@@ -12,6 +12,7 @@ LRU (`SegmentCache`): a segment seen before costs a lookup instead of an encode.
 
 from __future__ import annotations
 
+import functools
 import json
 from array import array
 from collections import OrderedDict
@@ -118,7 +119,17 @@ class ChatCodec:
             prompt.tools or None,
             add_generation_prompt=True,
             assistant_tokens=assistant_tokens,
+            token_limit=(self.context_length, self.longest_token_chars),
         )
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters of a prompt's text one token can stand for: the vocabulary's longest
+        token (a byte-level token spells one character per byte), times 4 where the tokenizer
+        normalizes first (NFC and the like compose a few code points into one)."""
+        backend = self.tokenizer.backend
+        longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if backend.normalizer is not None else 1)
 
     def parse(self, text: str) -> ParsedOutput:
         """Content and tool calls of generated text (malformed tool calls stay in the content)."""

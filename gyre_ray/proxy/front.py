@@ -27,10 +27,16 @@ M = TypeVar("M", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (what the client sent, not Python's name for it)."""
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    return names.get(type(value), "an array" if isinstance(value, list) else "an object")
+
+
 def validate(model: type[M], body: Any) -> M:
     """The body as `model`, or a 400 naming the offending fields."""
     if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise ApiError(400, f"the request body must be a JSON object, got {json_type(body)}")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -45,6 +51,7 @@ def sampling_for(
     top_p: float | None,
     max_tokens: int | None,
     seed: int | None,
+    max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """Engine sampling params; max_tokens is capped to the context left after the prompt.
 
@@ -52,7 +59,7 @@ def sampling_for(
     `proxy_capped`: hitting that limit ends the turn normally for the client (the limit is the
     trainer's, not the client's), while the record keeps finish_reason "length".
     """
-    max_new = service.max_new_tokens(len(call.input_ids), max_tokens)
+    max_new = service.max_new_tokens(len(call.input_ids), max_tokens, max_tokens_param)
     cap = service.section.max_output_tokens
     if cap is not None and max_new == cap and (max_tokens is None or max_tokens > cap):
         call.meta["proxy_capped"] = True

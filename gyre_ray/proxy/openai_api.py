@@ -120,6 +120,8 @@ async def completions(service: Any, execution_id: str, body: Any, headers: dict[
     req = validate(CompletionRequest, body)
     prompt = req.prompt_text_or_ids()
     if isinstance(prompt, str):
+        at_least = -(-len(prompt) // service.codec.longest_token_chars)  # checked before encoding it
+        service.check_prompt_length(at_least, at_least=True, param="prompt")
         ids = service.codec.encode(prompt)
     else:
         try:

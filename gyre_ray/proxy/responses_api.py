@@ -114,7 +114,9 @@ async def responses(service: Any, execution_id: str, body: Any, headers: dict[st
         execution_id, prompt, "openai-responses", req.model, role_header,
         headers.get("user-agent", ""), session=session_of(headers),
     )  # fmt: skip
-    sampling = sampling_for(service, call, req.temperature, req.top_p, req.max_output_tokens, None)
+    sampling = sampling_for(
+        service, call, req.temperature, req.top_p, req.max_output_tokens, None, "max_output_tokens"
+    )
     gen, slot = await begin(service, call, sampling, prompt.parse_tools, [], "call_", req.stream)
     shell = _Shell("resp_" + call.call_id.replace("-", ""), req)
     if req.stream:

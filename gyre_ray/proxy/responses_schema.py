@@ -97,6 +97,10 @@ class ResponsesRequest(Lenient):
         choice = self.tool_choice
         parse = bool(tools) and choice != "none"
         names = {t["function"]["name"] for t in tools}
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise bad_request('tool_choice must be "none", "auto", "required" or an object', "tool_choice")
+        if choice == "required" and not names:
+            raise bad_request('tool_choice "required" needs function tools to choose from', "tool_choice")
         if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name") not in names:
             raise bad_request(f"tool_choice names {choice.get('name')!r}, not among the tools", "tool_choice")
         return ChatPrompt(messages=messages, tools=tools, parse_tools=parse)

@@ -17,6 +17,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+from gyre_ray.model.chat_template import PromptTooLong
 from gyre_ray.proxy.calls import CallRun, PreparedCall
 from gyre_ray.proxy.clients import CellUnavailable
 from gyre_ray.proxy.codec import ChatCodec
@@ -237,9 +238,12 @@ class ProxyService:
         assistant_tokens, parent = await self.recorded_outputs(execution_id, prompt)
         try:
             input_ids = self.codec.prompt_ids(prompt, assistant_tokens)
+        except PromptTooLong as exc:  # found without encoding it
+            self.check_prompt_length(exc.at_least, at_least=True)
+            raise
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        self._check_prompt_length(len(input_ids))
+        self.check_prompt_length(len(input_ids))
         self.counters["spliced_messages"] += len(assistant_tokens)
         return PreparedCall(
             execution_id=execution_id,
@@ -263,26 +267,25 @@ class ProxyService:
             role = classify_role(ChatPrompt(messages=[]), role_header)
         except RoleError as exc:
             raise ApiError(400, str(exc)) from None
-        self._check_prompt_length(len(input_ids))
+        self.check_prompt_length(len(input_ids), param="prompt")
         return PreparedCall(execution_id, new_call_id(), role, input_ids, api, model)
 
-    def _check_prompt_length(self, length: int) -> None:
+    def check_prompt_length(self, length: int, at_least: bool = False, param: str = "messages") -> None:
+        """400 naming `param` when a prompt of `length` tokens (or more) leaves no room to generate."""
         limit = self.codec.context_length
         if length >= limit:
             raise ApiError(
                 400,
-                f"the prompt is {length} tokens; the model's context length is {limit} tokens "
-                f"(prompt + max_tokens must fit)",
-                "messages",
+                f"the prompt is {'at least ' if at_least else ''}{length} tokens; the model's context "
+                f"length is {limit} tokens (prompt + max_tokens must fit)",
+                param,
             )
 
-    def max_new_tokens(self, prompt_length: int, requested: int | None) -> int:
-        """max_tokens capped to what fits in the context; absurd values are rejected."""
+    def max_new_tokens(self, prompt_length: int, requested: int | None, param: str = "max_tokens") -> int:
+        """max_tokens (the API's `param`) capped to what fits in the context; absurd values are rejected."""
         ceiling = self.section.max_tokens_ceiling
         if requested is not None and requested > ceiling:
-            raise ApiError(
-                400, f"max_tokens is {requested}; the most this proxy accepts is {ceiling}", "max_tokens"
-            )
+            raise ApiError(400, f"{param} is {requested}; the most this proxy accepts is {ceiling}", param)
         room = self.codec.context_length - prompt_length
         wanted = self.section.default_max_tokens if requested is None else requested
         if self.section.max_output_tokens is not None:
