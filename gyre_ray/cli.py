@@ -49,19 +49,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     from gyre_ray.config import ConfigError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     handler = getattr(args, "handler", None)
+    if unknown:  # said by the sub-command's parser, with its own usage line (exits 2)
+        _subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if handler is None:
         parser.print_help()
         return 2
     try:
         return int(handler(args) or 0)
     except ConfigError as exc:
-        print(f"gyre-ray: {exc}", file=sys.stderr)
+        print(f"gyre-ray {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gyre-ray: interrupted", file=sys.stderr)

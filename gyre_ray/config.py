@@ -203,6 +203,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError:
+            raise ConfigError(f"config {path} is not UTF-8 text (a YAML file was expected)") from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:

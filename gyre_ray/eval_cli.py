@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _eval_command(args: argparse.Namespace) -> int:
     from gyre_ray.checkpoint import CheckpointError, load_state, require_latest, trainer_dir
     from gyre_ray.config import ConfigError
+    from gyre_ray.model.checkpoint import check_hf_folder
     from gyre_ray.train import resume_config, runs_root
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -67,6 +68,11 @@ def _eval_command(args: argparse.Namespace) -> int:
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model-dir {model_dir}: no config.json (not an HF model folder)")
         out = Path(args.out or runs_root(cfg.run.run_dir) / f"eval-{stamp}")
+    _check_outputs(out, args.json)  # before the round, which takes a while
+    try:
+        check_hf_folder(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the model: {exc}") from None
     row = evaluate(cfg, model_dir, out, step)
     text = json.dumps(row, indent=2)
     if args.json == "-":
@@ -79,6 +85,20 @@ def _eval_command(args: argparse.Namespace) -> int:
 
     print(f"gyre-ray eval: {format_eval(row)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+def _check_outputs(out: Path, json_path: str | None) -> None:
+    """Refuse output paths the round could not write, before it runs."""
+    from gyre_ray.config import ConfigError
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder (created if missing)")
+    if json_path not in (None, "-"):
+        target = Path(json_path)
+        if target.is_dir():
+            raise ConfigError(f"--json {target} is a folder; give a file path")
+        if not target.parent.is_dir():
+            raise ConfigError(f"--json {target}: its folder {target.parent} does not exist")
 
 
 def evaluate(

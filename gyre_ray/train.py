@@ -79,7 +79,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> Gy
 
     path = Path(run_dir) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"cannot resume {run_dir}: no config.json (not a run folder)")
+        raise ConfigError(f"{run_dir} is not a run folder (no config.json)")
     return load_config(path, overrides)
 
 

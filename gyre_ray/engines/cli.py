@@ -25,6 +25,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    parser.add_argument("--run", default=None, help="a run folder: its newest checkpoint's policy")
+    parser.add_argument("--model-dir", default=None, help="an HF model folder (the same as model.path=DIR)")
     parser.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.seed=3")
     parser.set_defaults(handler=_generate_command)
@@ -35,12 +37,28 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _policy_overrides(args: argparse.Namespace) -> list[str]:
+    """`model.path` for --run (its newest complete checkpoint's trainer folder) or --model-dir."""
+    from gyre_ray.checkpoint import CheckpointError, require_latest, trainer_dir
+    from gyre_ray.config import ConfigError
+
+    if args.run and args.model_dir:
+        raise ConfigError("give --run or --model-dir, not both")
+    if args.run:
+        try:
+            return [f"model.path={trainer_dir(require_latest(args.run))}"]
+        except CheckpointError as exc:
+            raise ConfigError(f"--run {args.run}: {exc}") from None
+    return [f"model.path={args.model_dir}"] if args.model_dir else []
+
+
 def _generate_command(args: argparse.Namespace) -> int:
     from gyre_ray.config import load_config
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, list(args.overrides) + _policy_overrides(args))
     if not args.prompt.strip():
         return _fail("--prompt is empty: give the text of a user message")
+
     import asyncio
 
     from gyre_ray.engines.base import EngineInputError, GenerateRequest, SamplingParams
@@ -66,6 +84,12 @@ def _generate_command(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     finally:
         engine.shutdown()
+    if not config.model.path:  # said once it worked, so that a failure stays one line
+        print(
+            f"gyre-ray generate: the {config.model.preset} preset's randomly initialised weights (expect "
+            "gibberish); --run RUN_DIR or --model-dir DIR takes a trained policy",
+            file=sys.stderr,
+        )
     text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
     if args.json:
         payload = {

@@ -74,23 +74,61 @@ def read_hf_config(folder: str | Path) -> ModelArgs:
     """ModelArgs from `folder/config.json`."""
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in model folder {folder}")
-    return ModelArgs.from_hf_config(json.loads(path.read_text()))
+        hint = ""
+        if (Path(folder) / "trainer" / CONFIG_FILE).is_file():  # a run's checkpoint folder
+            hint = f" (a checkpoint: its model is {Path(folder) / 'trainer'})"
+        raise FileNotFoundError(f"no {CONFIG_FILE} in model folder {folder}{hint}")
+    try:
+        return ModelArgs.from_hf_config(json.loads(path.read_text()))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+
+
+def _weights_files(folder: Path) -> list[Path]:
+    if (folder / WEIGHTS_FILE).is_file():
+        return [folder / WEIGHTS_FILE]
+    index = folder / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index ({exc!r})") from None
+        return [folder / shard for shard in shards]
+    raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in model folder {folder}")
+
+
+def _load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing (named by the model folder's index)") from None
+    except Exception as exc:  # safetensors' own error type: a torn or foreign file
+        raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
 
 
 def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of `folder`'s single or sharded safetensors checkpoint."""
-    folder = Path(folder)
-    if (folder / WEIGHTS_FILE).is_file():
-        return load_file(str(folder / WEIGHTS_FILE))
-    index = folder / WEIGHTS_INDEX_FILE
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(str(folder / shard)))
-        return state
-    raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in model folder {folder}")
+    """All tensors of `folder`'s single or sharded safetensors checkpoint (a torn or missing file is a
+    ValueError / FileNotFoundError naming it)."""
+    state: dict[str, torch.Tensor] = {}
+    for path in _weights_files(Path(folder)):
+        state.update(_load_weights_file(path))
+    return state
+
+
+def check_hf_folder(folder: str | Path) -> None:
+    """Fail fast, naming the file, when `folder` is not a loadable HF model folder: its config parses
+    and every weights file's header reads (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    read_hf_config(folder)
+    for path in _weights_files(Path(folder)):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                handle.keys()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path} is missing (named by the model folder's index)") from None
+        except Exception as exc:  # safetensors' own error type
+            raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype | str | None = None) -> tuple[Qwen3ForCausalLM, ModelArgs]:

@@ -1,0 +1,112 @@
+"""Bad input to the `gyre-ray` commands ends in one line naming the bad thing, exit code 2, and before
+any slow work: an unknown flag gets the sub-command's own usage, a binary config, a torn weights file
+or a checkpoint folder given for a model folder, an output path that cannot be written; and
+`generate` says when it samples from untrained weights, or takes a run's newest checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.checkpoint import CHECKPOINTS, STATE_FILE, TRAINER_DIR, checkpoint_name
+from gyre_ray.cli import main
+from gyre_ray.model.arch import ModelArgs
+from gyre_ray.model.checkpoint import WEIGHTS_FILE, save_hf
+from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
+from gyre_ray.model.tokenizer import Tokenizer
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder holding one complete checkpoint of the tiny model."""
+    run_dir = tmp_path_factory.mktemp("run")
+    (run_dir / "config.json").write_text("{}")
+    saved = run_dir / CHECKPOINTS / checkpoint_name(3)
+    args = ModelArgs.tiny()
+    model = Qwen3ForCausalLM(args)
+    init_weights(model, seed=1)
+    save_hf(model, args, saved / TRAINER_DIR, Tokenizer.default())
+    (saved / STATE_FILE).write_text(json.dumps({"step": 3}))
+    return run_dir
+
+
+def test_an_unknown_flag_gets_the_sub_commands_usage(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: gyre-ray simulate") and "unrecognized arguments: --bogus" in err
+
+
+def test_a_binary_config_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    config = tmp_path / "bin.yaml"
+    config.write_bytes(b"\xff\xfe\x00not yaml")
+    code, _, err = run(capsys, "config", "--config", str(config))
+    assert (
+        code == 2
+        and err.strip() == f"gyre-ray config: config {config} is not UTF-8 text (a YAML file was expected)"
+    )
+
+
+def test_a_torn_weights_file_or_a_checkpoint_folder_is_named(
+    capsys: pytest.CaptureFixture, tmp_path: Path, checkpointed_run: Path
+) -> None:
+    trainer = checkpointed_run / CHECKPOINTS / checkpoint_name(3) / TRAINER_DIR
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "config.json").write_text((trainer / "config.json").read_text())
+    (torn / WEIGHTS_FILE).write_bytes((trainer / WEIGHTS_FILE).read_bytes()[:100])
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--model-dir", str(torn))
+    assert code == 2 and f"{torn / WEIGHTS_FILE} is not a readable safetensors file" in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "eval", "--model-dir", str(torn))  # refused before Ray starts
+    assert code == 2 and err.startswith("gyre-ray eval: cannot load the model: ") and "safetensors" in err
+    code, _, err = run(capsys, "generate", "--prompt", "hi", f"model.path={trainer.parent}")
+    assert code == 2 and f"(a checkpoint: its model is {trainer})" in err
+
+
+def test_eval_refuses_unwritable_outputs_and_non_run_folders_up_front(
+    capsys: pytest.CaptureFixture, tmp_path: Path, checkpointed_run: Path
+) -> None:
+    trainer = checkpointed_run / CHECKPOINTS / checkpoint_name(3) / TRAINER_DIR
+    code, _, err = run(capsys, "eval", "--model-dir", str(trainer), "--json", str(tmp_path / "no" / "x.json"))
+    assert code == 2 and f"its folder {tmp_path / 'no'} does not exist" in err
+    a_file = tmp_path / "one.jsonl"
+    a_file.write_text("")
+    code, _, err = run(capsys, "eval", "--model-dir", str(trainer), "--out", str(a_file))
+    assert code == 2 and f"--out {a_file} is a file" in err
+    code, _, err = run(capsys, "eval", "--run", str(tmp_path / "nope"))
+    assert (
+        code == 2
+        and err.strip() == f"gyre-ray eval: {tmp_path / 'nope'} is not a run folder (no config.json)"
+    )
+
+
+def test_generate_says_when_weights_are_untrained_and_takes_a_runs_checkpoint(
+    capsys: pytest.CaptureFixture, checkpointed_run: Path
+) -> None:
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--max-new-tokens", "2", "--seed", "1")
+    assert code == 0 and "randomly initialised weights" in err
+    code, out, err = run(
+        capsys, "generate", "--prompt", "hi", "--max-new-tokens", "3", "--seed", "1", "--temperature", "0",
+        "--json", "--run", str(checkpointed_run),
+    )  # fmt: skip
+    assert code == 0 and "randomly initialised" not in err
+    trainer = checkpointed_run / CHECKPOINTS / checkpoint_name(3) / TRAINER_DIR
+    same = run(
+        capsys, "generate", "--prompt", "hi", "--max-new-tokens", "3", "--seed", "1", "--temperature", "0",
+        "--json", f"model.path={trainer}",
+    )[1]  # fmt: skip
+    assert json.loads(out) == json.loads(same)
+    code, _, err = run(
+        capsys, "generate", "--prompt", "hi", "--run", str(checkpointed_run), "--model-dir", "x"
+    )
+    assert code == 2 and "not both" in err
