@@ -12,6 +12,7 @@ present (`spec="auto"`).
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +23,20 @@ from gyre_ray.model.arch import ModelArgs
 from gyre_ray.trainers.megatron import cpu_shims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# megatron-core's advice that does not apply to how the trainer uses it (every rank said each, about
+# 36 lines a `gyre-ray logprobs --trainer-backend megatron --tp 2`): the fused kernels are optional
+# (the local spec runs without them), no CUDA graphs are captured, no async grad all-reduce is used.
+for _advice in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+    "When using async grad allreduce",
+):
+    warnings.filterwarnings("ignore", message=_advice, category=UserWarning, module=r"megatron\.")
+warnings.filterwarnings(
+    "ignore", message="`torch.distributed.all_gather_into_tensor` is deprecated", category=FutureWarning
+)  # megatron-core 0.16's tensor-parallel gathers call it
 
 
 def resolve_spec(spec: str) -> str:
