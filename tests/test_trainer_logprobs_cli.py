@@ -68,6 +68,7 @@ def test_text_is_scored_through_the_folders_tokenizer(tmp_path: Path, capsys: py
         (["--tokens", "1,999"], "outside the vocabulary"),
         (["--tokens", "1,2", "--tp", "2"], "needs --trainer-backend megatron"),
         (["--text", "hi"], "needs a tokenizer.json"),
+        (["--tokens", "7"], "the first is only context, so give at least 2"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(

@@ -62,8 +62,10 @@ def _logprobs_command(args: argparse.Namespace) -> int:
         if tokenizer is None:
             return _fail(f"--text needs a tokenizer.json in {args.model_dir} (or use --tokens)")
         token_ids = tokenizer.encode(args.text)
-    if not token_ids:
-        return _fail("nothing to score: give at least one token")
+    if len(token_ids) < 2:  # the first token is the context: nothing predicts it
+        return _fail(
+            f"nothing to score: {len(token_ids)} token(s); the first is only context, so give at least 2"
+        )
     bad = [t for t in token_ids if not 0 <= t < model_args.vocab_size]
     if bad:
         return _fail(f"token ids {bad[:5]} are outside the vocabulary [0, {model_args.vocab_size})")
