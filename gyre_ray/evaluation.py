@@ -26,6 +26,7 @@ from typing import Any
 
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.envs.base import Task, get_task_set
+from gyre_ray.proxy.store_files import json_lines
 
 EVAL_FILE = "eval.jsonl"
 
@@ -109,10 +110,7 @@ def summarize(
 
 def read_eval(run_dir: str | Path) -> list[dict[str, Any]]:
     """The run's evaluation rows (`eval.jsonl`), in the order they ended; [] when there are none."""
-    path = Path(run_dir) / EVAL_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(json_lines(Path(run_dir) / EVAL_FILE))  # up to a line torn by a killed job
 
 
 def flat_metrics(row: dict[str, Any]) -> dict[str, float]:

@@ -18,15 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.evaluation import EVAL_FILE
+from gyre_ray.proxy.store_files import json_lines
 
 _TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
 _EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(json_lines(path))  # up to a line torn by the killed segment
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -92,8 +91,14 @@ def segment_offset(run_dir: str | Path, first_step: int) -> float:
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
+    """The earlier segment's summary.json; {} when absent, or empty or cut off (the job was killed
+    while writing it: its trace and steps are still read from trace.jsonl and metrics.jsonl)."""
     path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def shift(row: dict[str, Any], keys: tuple[str, ...], offset: float) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 One line per run folder, newest first: its status, the steps logged of those configured, the reward
 (mean of the first 3 steps -> of the last 3), the makespan, its newest complete checkpoint, and what
 to do next where there is something to do. The status is read from what the job leaves:
-- `done`: `summary.json` (the job's last write);
+- `done`: `summary.json` (the job's last write; an empty or torn one, the job killed while writing
+  it, does not count: such a run is `stopped` unless failed.json or live-run.json say more);
 - `failed`: `failed.json` (an error or Ctrl-C: `gyre_ray.train.note_failure`), with its error;
 - `live`: `live-run.json` (a run on a persistent Ray cluster whose driver is or was attached to it:
   `gyre-ray train --attach` finishes it if that driver died), with `driver` from
@@ -90,9 +91,9 @@ def describe_run(folder: Path) -> dict[str, Any]:
     checkpoints = complete_checkpoints(folder)
     if checkpoints:
         run["checkpoint_step"] = int(load_state(checkpoints[-1]).get("step", 0))
-    if (folder / "summary.json").is_file():
+    summary = _read_json(folder / "summary.json") if (folder / "summary.json").is_file() else None
+    if summary:
         run["status"] = "done"
-        summary = _read_json(folder / "summary.json")
         run["makespan_s"] = (summary.get("costs") or {}).get("makespan_s")
     elif (folder / FAILED_FILE).is_file():
         run["status"] = "failed"
@@ -100,6 +101,8 @@ def describe_run(folder: Path) -> dict[str, Any]:
     elif (folder / LIVE_FILE).is_file():
         run["status"] = "live"
         run["driver"] = driver_state(_read_json(folder / LIVE_FILE).get("driver"))
+    elif summary is not None:  # the job was killed while writing its last file: the run did not end
+        run["error"] = "summary.json is empty or cut off (the job was killed while writing it)"
     run["next"] = _next_step(run)
     return run
 

@@ -123,11 +123,23 @@ def test_merge_segments_puts_the_resumed_times_after_the_earlier_ones(tmp_path: 
     assert [(m["step"], m["published_at_s"]) for m in merged["steps"]] == [(0, 6.0), (1, 14.0)]
 
 
+def test_a_segment_killed_while_writing_its_last_files_still_resumes(tmp_path: Path) -> None:
+    """A torn summary.json is read as absent and a torn last trace line is left out, so the resumed
+    segment starts after what the earlier one finished (no JSONDecodeError)."""
+    _jsonl(tmp_path / "trace.jsonl", [{"step": 0, "start": 0.0, "end": 5.0}])
+    with (tmp_path / "trace.jsonl").open("a") as trace:
+        trace.write('{"step": 1, "start": 6.0, "en')
+    (tmp_path / "summary.json").write_text('{"spans": [["cell-0", "rollout", 0.0, 1')
+    assert segment_offset(tmp_path, 1) == 5.0
+    merged = merge_segments(tmp_path, 1, 5.0, {"trace": [], "spans": [], "switches": [], "steps": []})
+    assert [r["step"] for r in merged["trace"]] == [0] and merged["spans"] == []
+
+
 def test_resume_and_eval_commands_say_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from gyre_ray.cli import main
 
     assert main(["train", "--resume", str(tmp_path)]) == 2
-    assert "no config.json (not a run folder)" in capsys.readouterr().err
+    assert f"{tmp_path} is not a run folder (no config.json)" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
     assert main(["train", "--resume", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from gyre_ray.cli import main
-from gyre_ray.observability.report import ReportError, rewards_by_task, running_over_time, write_report
+from gyre_ray.observability.report import (
+    ReportError,
+    load_run,
+    rewards_by_task,
+    running_over_time,
+    step_rewards_by_task,
+    write_report,
+)
 
 TRACE = [
     {"start": 0.0, "end": 4.0, "task": "s0-vowels", "step": 0, "reward": 0.5, "dropped": False},
@@ -84,6 +91,113 @@ def test_a_run_without_evaluation_still_gets_its_evaluation_picture(tmp_path: Pa
 
 def test_report_command_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["report", str(tmp_path)]) == 2
-    assert "no metrics.jsonl, trace.jsonl, summary.json" in capsys.readouterr().err
+    assert "nothing to draw: no metrics.jsonl, trace.jsonl, summary.json" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "rew')  # killed before its first step ended
+    assert main(["report", str(tmp_path)]) == 2
+    assert "nothing to draw yet: metrics.jsonl holds no step" in capsys.readouterr().err
     with pytest.raises(ReportError, match="is not a folder"):
         write_report(tmp_path / "nope")
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_torn_last_line_is_skipped_and_said(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A killed job leaves its JSONL files with a cut-off last line: the report draws the rest."""
+    run = _run_dir(tmp_path)
+    for name in ("metrics.jsonl", "trace.jsonl"):
+        with open(run / name, "a") as fh:
+            fh.write('{"step": 2, "reward_m')
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped the cut-off last line of metrics.jsonl" in out
+    assert "skipped the cut-off last line of trace.jsonl" in out
+    page = (run / "report" / "index.html").read_text()
+    assert page.count("<tr>") == 3 and 'src="timeline.png"' in page
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = _run_dir(tmp_path)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], "{oops", rows[1]]) + "\n")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'metrics.jsonl'}:2: not a JSON line" in err and len(err.strip().splitlines()) == 1
+    (run / "metrics.jsonl").write_text("\n".join([rows[0], "[1, 2]", rows[1]]) + "\n")
+    with pytest.raises(ReportError, match=r"metrics.jsonl:2: not a JSON object"):
+        write_report(run)
+
+
+@pytest.mark.parametrize("summary", ["", '{"steps": [{"step": 0', "[]"])
+def test_an_empty_or_torn_summary_counts_as_absent(tmp_path: Path, summary: str) -> None:
+    run = _run_dir(tmp_path)
+    (run / "summary.json").write_text(summary)
+    loaded = load_run(run)
+    assert loaded["summary"] is None
+    assert loaded["notes"][0] == (
+        "left out timeline.png and switches.png (summary.json is empty or cut off: the run did not finish)"
+    )
+    index = write_report(run)
+    assert {p.name for p in index.parent.iterdir()} == {
+        "index.html", "reward.png", "staleness.png", "eval.png"
+    }  # fmt: skip
+    assert "summary.json is empty or cut off" in index.read_text()
+
+
+def test_a_crashed_run_gets_the_pictures_its_metrics_allow(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """No summary.json, no trace.jsonl (a killed job): reward per step and task, staleness, evaluation."""
+    run = _run_dir(tmp_path)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [{**m, "reward_by_task": {"vowels": m["reward_mean"]}} for m in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+    (run / "summary.json").unlink()
+    (run / "trace.jsonl").unlink()
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        "gyre-ray report: left out timeline.png and switches.png (no summary.json: the run did not finish)"
+    )
+    report = run / "report"
+    assert {p.name for p in report.iterdir()} == {"index.html", "reward.png", "staleness.png", "eval.png"}
+    assert all((report / n).read_bytes()[:8] == PNG for n in ("reward.png", "staleness.png", "eval.png"))
+    assert (report / "index.html").read_text().count("<tr>") == 3
+    assert step_rewards_by_task(rows) == {"vowels": {0: 0.6, 1: 0.9}}  # the per-task lines without a trace
+
+
+def test_out_writes_the_report_elsewhere(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    _run_dir(run)
+    out = tmp_path / "pictures" / "of-run"
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    assert f"gyre-ray report: {out / 'index.html'}" in capsys.readouterr().out
+    assert (out / "reward.png").read_bytes()[:8] == PNG and not (run / "report").exists()
+    assert main(["report", str(run), "--out", str(run / "summary.json")]) == 2
+    assert "summary.json is not a folder" in capsys.readouterr().err
+
+
+def _eval_round(step: int, reward: float) -> str:
+    return json.dumps({"step": step, "reward_mean": reward, "pass_rate": 0.0, "tasks": {}}) + "\n"
+
+
+def test_the_newest_gyre_ray_eval_is_drawn_when_the_run_has_no_evaluation(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = _run_dir(tmp_path)
+    for stamp, reward in (("20261206-020000", 0.1), ("20261206-030000", 0.7), ("20261206-010000", 0.2)):
+        (run / "evals" / stamp).mkdir(parents=True)
+        (run / "evals" / stamp / "eval.jsonl").write_text(_eval_round(2, reward))
+    (run / "evals" / "20261206-040000").mkdir()  # a round that never ended: no eval.jsonl
+    assert [r["reward_mean"] for r in load_run(run)["eval"]] == [0.7]
+    assert main(["report", str(run)]) == 0
+    assert (
+        "gyre-ray report: eval.png from evals/20261206-030000/eval.jsonl "
+        "(the run itself has no evaluation round)" in capsys.readouterr().out
+    )
+    (run / "eval.jsonl").write_text(_eval_round(0, 0.3))  # the run's own rounds come first
+    loaded = load_run(run)
+    assert [r["reward_mean"] for r in loaded["eval"]] == [0.3] and loaded["notes"] == []

@@ -75,7 +75,10 @@ def test_each_run_gets_its_status_progress_reward_checkpoint_and_next_step(root:
     assert stopped["next"] == f"gyre-ray train --resume {root / 'stopped'}"
     assert runs["live"]["status"] == "live" and "--attach" in runs["live"]["next"]
     assert runs["live"]["reward_first"] is None
-    assert runs["torn"]["status"] == "done" and runs["torn"]["makespan_s"] is None
+    torn = runs["torn"]  # all its steps logged, but killed while writing summary.json: it did not end
+    assert (torn["status"], torn["steps_logged"], torn["makespan_s"]) == ("stopped", 2, None)
+    assert torn["error"] == "summary.json is empty or cut off (the job was killed while writing it)"
+    assert torn["next"].startswith("no checkpoint to resume from")
 
 
 def test_the_command_prints_a_table_and_json_and_says_what_is_wrong(
@@ -88,6 +91,8 @@ def test_the_command_prints_a_table_and_json_and_says_what_is_wrong(
     assert "done" in table["done"] and "4/4" in table["done"] and "0.200 -> 0.333" in table["done"]
     assert "81.5 s" in table["done"]
     assert "failed: RuntimeError: the core died" in out
+    assert "stopped" in table["torn"] and "2/2" in table["torn"]
+    assert "torn: summary.json is empty or cut off (the job was killed while writing it)" in out
     assert f"stopped: gyre-ray train --resume {root / 'stopped'}" in out
     assert "warmup-abc" not in out and "records" not in out
     assert main(["runs", str(root), "--json"]) == 0
@@ -123,3 +128,22 @@ def test_a_live_run_says_whether_its_driver_still_runs(tmp_path: Path) -> None:
     assert runs["running"]["next"].startswith("its driver still runs on this host")
     assert "driver is gone" in runs["gone"]["next"] and "--resume" in runs["gone"]["next"]
     assert runs["elsewhere"]["next"].endswith("(if its driver died)")
+
+
+@pytest.mark.parametrize("summary", ["", "{}", "[1, 2]", '{"costs": {"makes'])
+def test_an_empty_or_torn_summary_is_no_proof_the_run_ended(tmp_path: Path, summary: str) -> None:
+    """Killed while writing summary.json: `stopped` (resume from its checkpoint), unless its
+    failed.json or live-run.json says more."""
+    for name in ("bare", "failed", "live"):
+        folder = make_run(tmp_path, name, 2, [0.4, 0.6], 100.0, checkpoint=1)
+        (folder / "summary.json").write_text(summary)
+    (tmp_path / "failed" / "failed.json").write_text(json.dumps({"error": "interrupted"}))
+    (tmp_path / "live" / "live-run.json").write_text("{}")
+    runs = {run["name"]: run for run in list_runs(tmp_path)}
+    assert {name: run["status"] for name, run in runs.items()} == {
+        "bare": "stopped",
+        "failed": "failed",
+        "live": "live",
+    }
+    assert runs["bare"]["next"] == f"gyre-ray train --resume {tmp_path / 'bare'}"
+    assert runs["failed"]["error"] == "interrupted" and runs["live"]["error"] is None

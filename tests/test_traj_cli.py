@@ -94,3 +94,44 @@ def test_unreadable_empty_or_contradictory_files_exit_2_in_one_line(
     assert main(["traj", "show", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def records_folder(tmp_path: Path, records_file) -> Path:
+    """A run's records/: one <execution_id>.jsonl per execution, beside the store's own files."""
+    _, records = records_file
+    folder = tmp_path / "records"
+    (folder / ".splice").mkdir(parents=True)
+    for execution_id, rs in records.items():
+        write_jsonl(folder / f"{execution_id}.jsonl", rs)
+    (folder / ".registry.jsonl").write_text('{"finish": "a"}\n')  # not a call record
+    return folder
+
+
+def test_a_records_folder_lists_its_executions(records_folder: Path, records_file, capsys) -> None:
+    _, records = records_file
+    assert main(["traj", "show", str(records_folder)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{records_folder}: 2 executions; show one with --execution ID"
+    assert lines[1].split() == ["execution", "calls", "tokens"] and len(lines) == 4
+    for line, (execution_id, rs) in zip(lines[2:], sorted(records.items()), strict=True):
+        tokens = sum(len(r.input_ids) + len(r.output_ids) for r in rs)
+        assert line.split() == [execution_id, str(len(rs)), str(tokens)]
+
+
+def test_a_records_folder_shows_one_execution_or_all_figures(
+    records_folder: Path, records_file, capsys
+) -> None:
+    path, _ = records_file
+    for source in (path, records_folder):  # the folder shows what the file of all records shows
+        assert main(["traj", "show", str(source), "--execution", "b", "--budget", "2"]) == 0
+        assert main(["traj", "show", str(source), "--json"]) == 0
+    from_file, from_folder = capsys.readouterr().out.split("execution b:")[1:]
+    assert from_file == from_folder and from_folder.count('"execution_id"') == 2
+    assert main(["traj", "show", str(records_folder), "--execution", "zzz"]) == 2
+    err = capsys.readouterr().err
+    assert f"no execution 'zzz' in {records_folder} (2 record files;" in err
+    (records_folder / "a.jsonl").unlink()
+    (records_folder / "b.jsonl").unlink()
+    assert main(["traj", "show", str(records_folder)]) == 2
+    assert "holds no record files" in capsys.readouterr().err

@@ -1,16 +1,20 @@
-"""`gyre-ray report RUN_DIR`: pictures of a real run, as PNGs and one HTML page beside them.
+"""`gyre-ray report RUN_DIR [--out DIR]`: pictures of a run, as PNGs and one HTML page beside them.
 
 Reads what every run leaves in its folder (`metrics.jsonl`, `trace.jsonl`, `summary.json` with the
-cells' work spans and the switch events) and writes under `RUN_DIR/report/`:
+cells' work spans and the switch events) and writes under `RUN_DIR/report/` (or `--out`):
 - `reward.png`: mean reward per step, and per task (from the trace's per-execution rewards);
 - `timeline.png`: one row per cell, what it did when (rollout / training / switching), with the
   number of executions running over time beneath (the saw-tooth of the reference paper's figure);
 - `switches.png`: each role switch's latency by direction, over the run;
 - `staleness.png`: the policy-version lag of trained tokens per step (max and mean);
 - `eval.png`: the evaluation curve, held-out reward per task and mean, and the pass rate, against the
-  updates the evaluated policy had (`eval.jsonl`; a note when the run had `run.eval_every=0`);
-- `index.html`: the five pictures and a table of the step metrics.
-The training job writes it at the end of every run. Uses matplotlib's Agg backend.
+  updates the evaluated policy had (`eval.jsonl`, else the newest `evals/<time>/eval.jsonl` that
+  `gyre-ray eval --run` wrote; a note when there is none);
+- `index.html`: the pictures and a table of the step metrics.
+A run that did not finish (killed, crashed) gets what its files allow: a torn last line of a JSONL
+file is skipped, an empty or torn `summary.json` counts as absent, and the pictures that need a
+missing file are left out with a note saying which and why. The training job writes the report at
+the end of every run. Uses matplotlib's Agg backend.
 """
 
 from __future__ import annotations
@@ -34,23 +38,69 @@ def _or_nan(value: float | None) -> float:
     return float("nan") if value is None else float(value)
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """The JSON objects of an append-only file, one per line. A torn last line (its writer was killed
+    mid-write) is skipped with a note; a bad line elsewhere is a ReportError naming file and line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ReportError(f"{path}: not UTF-8 text (is this a JSONL file?)") from None
+    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+    rows: list[dict[str, Any]] = []
+    for n, line in numbered:
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            if n == numbered[-1][0]:
+                notes.append(f"skipped the cut-off last line of {path.name} (its writer was killed)")
+                break
+            raise ReportError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ReportError(f"{path}:{n}: not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _read_summary(path: Path) -> dict[str, Any] | None:
+    """`summary.json` as an object; None when it is empty or torn (the job killed while writing it)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _newest_eval(run_dir: Path) -> Path | None:
+    """The newest `RUN_DIR/evals/<time>/eval.jsonl` (`gyre-ray eval --run`), or None."""
+    found = sorted((run_dir / "evals").glob("*/eval.jsonl")) if (run_dir / "evals").is_dir() else []
+    return found[-1] if found else None
 
 
 def load_run(run_dir: Path) -> dict[str, Any]:
-    """The run's step metrics, trace rows and summary (ReportError when the folder is not a run's)."""
+    """The run's step metrics, trace rows, summary (None when absent or torn), evaluation rounds and
+    `notes` (what was skipped or used instead); ReportError when there is nothing to draw."""
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder")
-    missing = [n for n in ("metrics.jsonl", "trace.jsonl", "summary.json") if not (run_dir / n).is_file()]
-    if missing:
-        raise ReportError(f"{run_dir} is not a finished run folder: no {', '.join(missing)}")
-    return {
-        "steps": _read_jsonl(run_dir / "metrics.jsonl"),
-        "trace": _read_jsonl(run_dir / "trace.jsonl"),
-        "summary": json.loads((run_dir / "summary.json").read_text()),
-        "eval": _read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").is_file() else [],
-    }
+    names = ("metrics.jsonl", "trace.jsonl", "summary.json")
+    missing = [n for n in names if not (run_dir / n).is_file()]
+    if "metrics.jsonl" in missing:
+        raise ReportError(f"{run_dir}: nothing to draw: no {', '.join(missing)} (is it a run folder?)")
+    notes: list[str] = []
+    steps = _read_jsonl(run_dir / "metrics.jsonl", notes)
+    trace = _read_jsonl(run_dir / "trace.jsonl", notes) if "trace.jsonl" not in missing else None
+    summary = _read_summary(run_dir / "summary.json") if "summary.json" not in missing else None
+    if not steps and not trace and summary is None:
+        raise ReportError(f"{run_dir}: nothing to draw yet: metrics.jsonl holds no step")
+    rounds = _read_jsonl(run_dir / "eval.jsonl", notes) if (run_dir / "eval.jsonl").is_file() else []
+    if not rounds and (newest := _newest_eval(run_dir)) is not None:
+        rounds = _read_jsonl(newest, notes)
+        notes.append(f"eval.png from {newest.relative_to(run_dir)} (the run itself has no evaluation round)")
+    if summary is None:
+        why = "no summary.json" if "summary.json" in missing else "summary.json is empty or cut off"
+        notes.insert(0, f"left out timeline.png and switches.png ({why}: the run did not finish)")
+    elif trace is None:
+        notes.insert(0, "timeline.png without the executions running (no trace.jsonl)")
+    return {"steps": steps, "trace": trace, "summary": summary, "eval": rounds, "notes": notes}
 
 
 def running_over_time(trace: list[dict[str, Any]]) -> tuple[list[float], list[int]]:
@@ -75,6 +125,16 @@ def rewards_by_task(trace: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
     return {t: {s: sum(v) / len(v) for s, v in sorted(steps.items())} for t, steps in sums.items()}
 
 
+def step_rewards_by_task(steps: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """Mean reward per (task name, step) from the step metrics' `reward_by_task` (a run with no trace)."""
+    out: dict[str, dict[int, float]] = defaultdict(dict)
+    for m in steps:
+        for task, reward in (m.get("reward_by_task") or {}).items():
+            if reward is not None:
+                out[task][int(m["step"])] = float(reward)
+    return dict(out)
+
+
 def _plt() -> Any:
     import matplotlib
 
@@ -90,7 +150,8 @@ def plot_reward(steps: list[dict[str, Any]], trace: list[dict[str, Any]], path: 
     xs = [m["step"] for m in steps]
     # a step that scored no execution has no reward (None): a gap in the line, not a drop to 0
     ax.plot(xs, [_or_nan(m.get("reward_mean")) for m in steps], "o-", color="black", lw=2, label="mean")
-    for task, series in sorted(rewards_by_task(trace).items()):
+    by_task = rewards_by_task(trace) or step_rewards_by_task(steps)  # a killed run has no trace
+    for task, series in sorted(by_task.items()):
         ax.plot(list(series), list(series.values()), ".--", alpha=0.7, label=task)
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -173,8 +234,8 @@ def plot_eval(rounds: list[dict[str, Any]], path: Path) -> Path:
         ax.plot(xs, [r["pass_rate"] for r in rounds], "s:", color="#2a9d4b", label="pass rate")
         ax.legend(fontsize=7, ncol=2)
     else:
-        ax.text(0.5, 0.5, "no evaluation in this run (run.eval_every=0)", ha="center", va="center",
-                transform=ax.transAxes)  # fmt: skip
+        ax.text(0.5, 0.5, "no evaluation of this run (run.eval_every=0, no gyre-ray eval --run)",
+                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
     ax.set(xlabel="updates of the evaluated policy", ylabel="held-out reward / pass rate",
            title="Evaluation on held-out tasks", ylim=(-0.02, 1.02))  # fmt: skip
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -189,16 +250,23 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
-def write_report(run_dir: str | Path) -> Path:
-    """Write every picture and `index.html` under RUN_DIR/report/; returns the HTML page's path."""
+def make_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Path, list[str]]:
+    """Write the pictures the run's files allow and `index.html` under `out` (default RUN_DIR/report);
+    returns the HTML page's path and the notes (what was left out and why, what was used instead)."""
     run_dir = Path(run_dir)
     run = load_run(run_dir)
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
-    pictures = [
-        plot_reward(run["steps"], run["trace"], out / "reward.png"),
-        plot_timeline(run["summary"], run["trace"], out / "timeline.png"),
-        plot_switches(run["summary"], out / "switches.png"),
+    out = Path(out) if out is not None else run_dir / "report"
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"{out} is not a folder (--out names the folder to write the report in)")
+    out.mkdir(parents=True, exist_ok=True)
+    trace, summary = run["trace"] or [], run["summary"]
+    pictures = [plot_reward(run["steps"], trace, out / "reward.png")]
+    if summary is not None:
+        pictures += [
+            plot_timeline(summary, trace, out / "timeline.png"),
+            plot_switches(summary, out / "switches.png"),
+        ]
+    pictures += [
         plot_staleness(run["steps"], out / "staleness.png"),
         plot_eval(run["eval"], out / "eval.png"),
     ]
@@ -208,15 +276,21 @@ def write_report(run_dir: str | Path) -> Path:
     )
     head = "".join(f"<th>{k}</th>" for k in TABLE_KEYS)
     images = "".join(f'<p><img src="{p.name}" alt="{p.stem}"></p>' for p in pictures)
+    notes = "".join(f"<p><em>{html.escape(n)}</em></p>" for n in run["notes"])
     page = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>gyre-ray run {html.escape(run_dir.name)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}</style></head><body>"
-        f"<h1>Run {html.escape(run_dir.name)}</h1>{images}<table><tr>{head}</tr>{rows}</table></body></html>"
+        f"<h1>Run {html.escape(run_dir.name)}</h1>{notes}{images}<table><tr>{head}</tr>{rows}</table></body></html>"
     )
     index = out / "index.html"
     index.write_text(page)
-    return index
+    return index, run["notes"]
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the pictures and `index.html` under `out` (default RUN_DIR/report); returns the page's path."""
+    return make_report(run_dir, out)[0]
 
 
 def _cell(value: Any) -> str:
@@ -230,6 +304,7 @@ def register(subparsers: Any) -> None:
         "report", help="pictures of a run: reward, cell-role timeline, switches, staleness, evaluation"
     )
     parser.add_argument("run_dir", help="a run folder (what `gyre-ray train` printed)")
+    parser.add_argument("--out", default=None, help="write the report here (default: RUN_DIR/report)")
     parser.set_defaults(handler=_report_command)
 
 
@@ -237,9 +312,14 @@ def _report_command(args: Any) -> int:
     import sys
 
     try:
-        index = write_report(args.run_dir)
+        index, notes = make_report(args.run_dir, args.out)
     except ReportError as exc:
         print(f"gyre-ray report: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # e.g. --out in a folder this user cannot write
+        print(f"gyre-ray report: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     print(f"gyre-ray report: {index} (and the PNGs beside it)")
+    for note in notes:
+        print(f"gyre-ray report: {note}")
     return 0

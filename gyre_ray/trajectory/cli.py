@@ -1,10 +1,13 @@
-"""`gyre-ray traj show RECORDS.jsonl [--budget N] [--json]`: an execution's call tree in the terminal.
+"""`gyre-ray traj show RECORDS [--budget N] [--json]`: an execution's call tree in the terminal.
 
 Shows each execution's prefix tree (token and loss-token counts per node, the calls that end there
 with their roles) and, at every leaf, the path's role and whether the budget keeps it. `--json`
 prints the token figures (summed over executions at the top level, per execution under
 `executions`): paths_total, paths_selected, tokens_expanded_all, tokens_packed_all,
 tokens_expanded_selected, tokens_packed_selected, loss_tokens_selected and more.
+RECORDS is a JSONL file of call records or a folder of them, one `<execution_id>.jsonl` per
+execution (a run's `records/`): `--execution ID` shows that execution's file; without it a folder
+gets one line per execution (calls, tokens), or with `--json` the figures of all of them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -19,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     traj = subparsers.add_parser("traj", help="inspect recorded trajectories (call trees)")
     actions = traj.add_subparsers(dest="traj_command", metavar="ACTION")
     show = actions.add_parser("show", help="show each execution's call tree and which paths are trained on")
-    show.add_argument("records", help="JSONL file of call records (one per line)")
+    show.add_argument(
+        "records", help="JSONL file of call records (one per line), or a folder of them (a run's records/)"
+    )
     show.add_argument("--budget", type=int, default=None, help="paths kept per execution (default: config)")
     show.add_argument(
         "--tie-break", choices=("longest", "latest", "earliest"), default=None, help="order within a role"
@@ -82,6 +88,26 @@ def render_tree(processed: Any) -> str:
     return "\n".join(lines)
 
 
+def record_files(folder: Path) -> list[Path]:
+    """The call-record files of a records folder, by name (not the store's `.registry.jsonl`)."""
+    return sorted(p for p in folder.glob("*.jsonl") if p.is_file() and not p.name.startswith("."))
+
+
+def list_executions(folder: Path, executions: dict[str, list[Any]]) -> str:
+    """One line per execution of a records folder, in launch order: its id, calls and tokens (prompt +
+    output of every call, as `trace.jsonl` counts them)."""
+    width = max(len("execution"), *map(len, executions))
+    lines = [
+        f"{folder}: {len(executions)} executions; show one with --execution ID",
+        f"{'execution':{width}s} {'calls':>6s} {'tokens':>9s}",
+    ]
+    launched = sorted(executions.items(), key=lambda item: (min(r.t_start for r in item[1]), item[0]))
+    for execution_id, records in launched:
+        tokens = sum(len(r.input_ids) + len(r.output_ids) for r in records)
+        lines.append(f"{execution_id:{width}s} {len(records):6d} {tokens:9d}")
+    return "\n".join(lines)
+
+
 def _fail(message: str) -> int:
     print(f"gyre-ray traj show: {message}", file=sys.stderr)
     return 2
@@ -99,14 +125,31 @@ def _show(args: argparse.Namespace) -> int:
         budget=args.budget if args.budget is not None else defaults.budget,
         tie_break=args.tie_break or defaults.tie_break,
     )
+    given = Path(args.records)  # a records file, or a folder of them
+    sources = [given]
+    if given.is_dir():
+        files = record_files(given)
+        if not files:
+            return _fail(f"{given} holds no record files (<execution_id>.jsonl)")
+        sources = files
+        if args.execution is not None:
+            sources = [f for f in files if f.stem == args.execution]
+            if not sources:
+                return _fail(
+                    f"no execution {args.execution!r} in {given} ({len(files)} record files; "
+                    f"`gyre-ray traj show {given}` lists them)"
+                )
     try:
-        executions = group_by_execution(read_jsonl(args.records, args.vocab_size))
+        executions = group_by_execution(r for path in sources for r in read_jsonl(path, args.vocab_size))
     except OSError as exc:
-        return _fail(f"cannot read {args.records}: {exc.strerror}")
+        return _fail(f"cannot read {exc.filename or args.records}: {exc.strerror}")
     except RecordError as exc:
         return _fail(str(exc))
     if not executions:
         return _fail(f"{args.records} holds no call records")
+    if given.is_dir() and args.execution is None and not args.json:
+        print(list_executions(given, executions))
+        return 0
     if args.execution is not None:
         if args.execution not in executions:
             return _fail(f"no execution {args.execution!r} (have: {', '.join(sorted(executions))})")
