@@ -81,6 +81,10 @@ def test_simulate_reads_knobs_from_config_overrides(small: str, capsys) -> None:
         (["--steps", "0"], "--steps >= 1"),
         (["--plot", "/nonexistent-folder/t.png"], "folder /nonexistent-folder does not exist"),
         (["--plot", "t.png", "--plot-hours", "0"], "--plot-hours must be > 0"),
+        (["--plot-hours", "2"], "--plot-hours needs --plot FILE"),
+        (["--plot", "t.txt"], "--plot t.txt: plots are written as png, pdf, svg, not .txt"),
+        (["--seed", "-5"], "need --seed >= 0, got -5"),
+        (["--cells", "20000"], "need --cells <= 10,000, got 20,000"),
     ],
 )
 def test_simulate_errors_are_clear(small: str, args: list[str], message: str, capsys) -> None:
@@ -92,9 +96,28 @@ def test_simulate_errors_are_clear(small: str, args: list[str], message: str, ca
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_plot_path_is_checked_before_simulating_and_the_file_written_is_printed(
+    small: str, tmp_path: Path, capsys
+) -> None:
+    base = ["simulate", "--workload", small, "--steps", "1", "--cells", "2", "--policies", "colocate"]
+    assert main([*base, "--plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err  # one line: no simulation ran (it prints a line per policy)
+    assert (
+        err
+        == f"gyre-ray simulate: --plot {tmp_path} is a folder; give a file name such as {tmp_path / 'timeline.png'}\n"
+    )
+    assert main([*base, "--plot", str(tmp_path / "noext")]) == 0
+    assert f"wrote {tmp_path / 'noext.png'}\n" in capsys.readouterr().out
+    assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "noext").exists()
+    assert main([*base, "--plot", str(tmp_path / "t.svg")]) == 0
+    assert b"<svg" in (tmp_path / "t.svg").read_bytes()[:1000]
+
+
 def test_simulate_refuses_non_finite_costs(small: str, capsys) -> None:
     assert main(["simulate", "--workload", small, "--steps", "1", "sim.weight_sync_s=inf"]) == 2
     assert "sim.weight_sync_s: Input should be a finite number" in capsys.readouterr().err
+    assert main(["simulate", "--workload", small, "--steps", "1", "sim.seed=-1"]) == 2  # numpy needs >= 0
+    assert "sim.seed: Input should be greater than or equal to 0 (got -1)" in capsys.readouterr().err
 
 
 def test_simulate_rejects_bad_config_keys(small: str, capsys) -> None:
@@ -122,3 +145,34 @@ def test_plan_table_and_errors(small: str, capsys) -> None:
     assert "min_cell_nodes" in capsys.readouterr().err
     assert main(["plan", "--workload", small, "--nodes", "4", "--reference-nodes", "0"]) == 2
     assert "--reference-nodes must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--cell-nodes", "0"], "--cell-nodes must list cell sizes >= 1 node, got [0]"),
+        (["--cell-nodes", ","], "--cell-nodes must list cell sizes >= 1 node, got []"),
+        (["--seed", "-5"], "--seed must be >= 0, got -5"),
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--staleness", "-1"], "--staleness must be >= 0, got -1"),
+        (["--nodes", "20000"], "--nodes must list cluster sizes from 2 to 10,000, got [20000]"),
+    ],
+)
+def test_plan_errors_name_the_flag(small: str, args: list[str], message: str, capsys) -> None:
+    assert main(["plan", "--workload", small, "--nodes", "4", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == f"gyre-ray plan: {message}\n"
+
+
+def test_plan_prints_a_progress_line_per_layout_on_stderr(small: str, capsys) -> None:
+    args = ["plan", "--workload", small, "--nodes", "4,8", "--steps", "1", "--min-cell-nodes", "2", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)  # stdout holds the JSON alone
+    lines = captured.err.splitlines()
+    assert len(lines) == len(report["layouts"]) == 3  # 4 nodes: 2 x 2; 8 nodes: 4 x 2, 2 x 4
+    assert lines[0].startswith("gyre-ray plan: 4 nodes as 2 cells of 2 nodes: ")
+    assert lines[-1].startswith("gyre-ray plan: 8 nodes as 2 cells of 4 nodes: ")
+    assert (
+        " h per step, " in lines[-1] and " x bound (3/3, " in lines[-1] and lines[-1].endswith(" s in all)")
+    )

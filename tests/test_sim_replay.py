@@ -10,6 +10,7 @@ import pytest
 
 from gyre_ray.cli import main
 from gyre_ray.sim.replay import predict_run
+from gyre_ray.sim.workload import WorkloadError
 
 COSTS = {
     "cells": 2,
@@ -147,9 +148,45 @@ def test_missing_run_files_are_named(tmp_path: Path, capsys) -> None:
     run = write_run(tmp_path / "run", makespan_s=100.0)
     (run / "costs.json").unlink()
     assert main(["simulate", "--trace", str(run)]) == 2
-    assert "costs.json not found" in capsys.readouterr().err
+    assert f"{run} holds no costs.json (a run writes trace.jsonl and costs.json when it ends" in (
+        capsys.readouterr().err
+    )
+    (run / "trace.jsonl").unlink()
+    assert main(["simulate", "--trace", str(run)]) == 2
+    assert f"{run} holds no trace.jsonl nor costs.json" in capsys.readouterr().err
+    (run / "trace.jsonl").mkdir()
+    assert main(["simulate", "--trace", str(run)]) == 2
+    assert f"{run / 'trace.jsonl'} is a folder, not the run's trace.jsonl" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(tmp_path / "nowhere")]) == 2
-    assert "not a folder" in capsys.readouterr().err
+    assert "nowhere is not a folder" in capsys.readouterr().err
+    other = write_run(tmp_path / "other", makespan_s=100.0)
+    assert main(["simulate", "--trace", str(other / "trace.jsonl")]) == 2
+    assert "trace.jsonl is a file; give the run folder that holds it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cells", "0"], "need --cells >= 1, got 0"),
+        (["--cells", "-1"], "need --cells >= 1, got -1"),
+        (["--cells", "20000"], "need --cells <= 10,000, got 20,000"),
+        (["--staleness", "-1"], "need --staleness >= 0, got -1"),
+        (["--plot-hours", "2"], "drop --workload/--steps/--seed/--plot/--plot-hours"),
+    ],
+)
+def test_replay_flags_are_checked_like_a_plain_simulation(
+    tmp_path: Path, capsys, args: list[str], message: str
+) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0)
+    assert main(["simulate", "--trace", str(run), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_predict_run_refuses_no_cells(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", makespan_s=100.0)
+    with pytest.raises(WorkloadError, match="cells must be >= 1, got 0"):
+        predict_run(run, cells=0)
 
 
 def test_replay_fits_the_traces_duration_model_and_prints_it_as_a_config_override(

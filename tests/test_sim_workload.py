@@ -118,6 +118,8 @@ def test_yaml_workload_extends_a_preset(tmp_path: Path) -> None:
         ("extends: nl2repo\nduration:\n  sigma_log_hours: -1\n", "duration.sigma_log_hours: Input should be"),
         ("extends: nl2repo\ntrain_cluster_s_per_trajectory: 0\n", "train_cluster_s_per_trajectory"),
         ("extends: nope\n", "extends: unknown preset 'nope'"),
+        ("extends: [1]\n", "extends: must be a preset name, got [1]; known: nl2repo-hard, nl2repo"),
+        ("extends: 3\n", "extends: must be a preset name, got 3"),
         ("name: x\ntrain_cluster_s_per_trajectory: 1\n", "exactly one of `duration`"),
         ("- 1\n- 2\n", "must be a mapping"),
         ("a: [\n", "not valid YAML"),
@@ -216,4 +218,41 @@ def test_a_trace_that_is_not_text_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"\xd0\xcf\x11\xe0\xa1\xb1")
     spec, _ = load_workload(str(path))
     with pytest.raises(WorkloadError, match="run.jsonl: not UTF-8 text"):
+        sample_workload(spec, 1)
+
+
+def test_a_workload_too_big_to_sample_names_the_count_and_the_limit(monkeypatch) -> None:
+    huge = spec_from_dict({"extends": "nl2repo", "group_size": 10**12})  # numpy would need petabytes
+    with pytest.raises(WorkloadError, match=r"48 steps x 64 tasks_per_step x 1000000000000 group_size = "):
+        sample_workload(huge, 48)
+    monkeypatch.setattr("gyre_ray.sim.workload.MAX_EXECUTIONS", 32)
+    small = spec_from_dict({"extends": "nl2repo", "tasks_per_step": 4, "group_size": 4})
+    assert sample_workload(small, 2).n_executions == 32  # at the limit
+    with pytest.raises(WorkloadError, match=r"= 48 executions; the simulator samples at most 32$"):
+        sample_workload(small, 3)
+
+
+def test_a_trace_replayed_past_the_execution_limit_is_refused(tmp_path: Path, monkeypatch) -> None:
+    rows = [{"step": s, "start": 0, "end": 10} for s in (0, 0, 0, 1)]  # 3 executions, then 1
+    trace = _write_jsonl(tmp_path / "run.jsonl", rows)
+    spec = spec_from_dict({"extends": "nl2repo", "group_size": 1, "trace": str(trace)})
+    monkeypatch.setattr("gyre_ray.sim.traces.MAX_EXECUTIONS", 7)
+    assert sample_workload(spec, 3).n_executions == 7  # 3 + 1 + 3
+    with pytest.raises(WorkloadError, match=r"4 steps replaying 4 executions .* = 8 executions"):
+        sample_workload(spec, 4)
+
+
+def test_a_folder_given_as_workload_or_trace_is_named_a_folder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(WorkloadError, match=r"run is a folder; give a preset .*file$"):
+        load_workload(str(run))
+    _write_jsonl(run / "trace.jsonl", [{"start": 0, "end": 7}])
+    with pytest.raises(WorkloadError, match=r"replays with `gyre-ray simulate --trace RUN_DIR`"):
+        load_workload(str(run))
+    (run / "t.jsonl").mkdir()
+    with pytest.raises(WorkloadError, match=r"t.jsonl is a folder"):
+        load_workload(str(run / "t.jsonl"))
+    spec = spec_from_dict({"extends": "nl2repo", "trace": str(tmp_path)})
+    with pytest.raises(WorkloadError, match=r"trace file .* is a folder \(expected a JSONL or CSV trace\)"):
         sample_workload(spec, 1)

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from gyre_ray.scheduling.config import SchedulerSection
 
 HOUR = 3600.0
+# Most cells one simulation takes (and nodes `plan` splits): the engine keeps per-cell state and
+# async tries every split, so more only runs out of memory or time.
+MAX_CELLS = 10_000
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -46,8 +49,16 @@ def register(subparsers: Any) -> None:
         help="replay a real run (RUN_DIR/trace.jsonl + costs.json): predicted vs measured makespan",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    sim.add_argument("--plot", default=None, metavar="FILE.png", help="draw each policy's cell-role timeline")
-    sim.add_argument("--plot-hours", type=float, default=None, help="only the first H hours in the plot")
+    sim.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="draw each policy's cell-role timeline to FILE (.png, .pdf or .svg; .png is added to a name "
+        "without suffix; FILE's folder must exist)",
+    )
+    sim.add_argument(
+        "--plot-hours", type=float, default=None, help="only the first H hours in the plot (needs --plot)"
+    )
     sim.add_argument("--config", default=None, help="YAML config whose scheduler/sim sections to use")
     sim.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. sim.weight_sync_s=10")
     sim.set_defaults(handler=_simulate_command)
@@ -81,6 +92,15 @@ def _fail(command: str, message: str) -> int:
     return 2
 
 
+def _out_of_range(flag: str, value: int | None, low: int, high: int | None = None) -> str | None:
+    """`need FLAG >= LOW, got V` (or `<= HIGH`) when `value` is given and outside the range; else None."""
+    if value is not None and value < low:
+        return f"need {flag} >= {low}, got {value}"
+    if value is not None and high is not None and value > high:
+        return f"need {flag} <= {high:,}, got {value:,}"
+    return None
+
+
 def _simulate_command(args: argparse.Namespace) -> int:
     from gyre_ray.config import load_config
     from gyre_ray.sim.engine import SimulationError
@@ -98,17 +118,28 @@ def _simulate_command(args: argparse.Namespace) -> int:
     policies = (
         [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else list(sim.policies)
     )
-    if cells < 1 or steps < 1 or staleness < 0:
-        return _fail(
-            "simulate",
-            f"need --cells >= 1, --steps >= 1, --staleness >= 0 (got {cells}, {steps}, {staleness})",
-        )
+    for problem in (
+        _out_of_range("--cells", cells, 1, MAX_CELLS),
+        _out_of_range("--steps", steps, 1),
+        _out_of_range("--staleness", staleness, 0),
+        _out_of_range("--seed", seed, 0),
+    ):
+        if problem:
+            return _fail("simulate", problem)
     if "async" in policies and cells < 2:
         return _fail("simulate", "async needs --cells >= 2 (one trainer and one rollout cell)")
+    if args.plot_hours is not None and not args.plot:
+        return _fail("simulate", "--plot-hours needs --plot FILE")
     if args.plot_hours is not None and not args.plot_hours > 0:
         return _fail("simulate", f"--plot-hours must be > 0, got {args.plot_hours}")
-    if args.plot and not Path(args.plot).resolve().parent.is_dir():
-        return _fail("simulate", f"--plot {args.plot}: folder {Path(args.plot).parent} does not exist")
+    plot_file = None
+    if args.plot:
+        from gyre_ray.sim.plot import plot_path
+
+        try:
+            plot_file = plot_path(args.plot)  # before the simulation, which can take minutes
+        except ValueError as exc:
+            return _fail("simulate", f"--plot {exc}")
     try:
         spec, base_dir = load_workload(args.workload or sim.workload)
         wl = sample_workload(spec, steps, seed, base_dir)
@@ -118,7 +149,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
             cells,
             staleness,
             costs_from(sim),
-            record=bool(args.plot),
+            record=plot_file is not None,
             tune=sim.tune_knobs,
             async_train_cells=sched.async_train_cells,
             repay_factor=sched.elastic_repay_factor,
@@ -136,12 +167,12 @@ def _simulate_command(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
-    if args.plot:
+    if plot_file is not None:
         from gyre_ray.sim.plot import plot_timelines
 
         title = f"{spec.name}: {steps} steps on {cells} cells, eta = {staleness}"
         path = plot_timelines(
-            list(results.values()), args.plot, wl.capacity_per_cell(cells), title, args.plot_hours
+            list(results.values()), plot_file, wl.capacity_per_cell(cells), title, args.plot_hours
         )
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
@@ -149,20 +180,30 @@ def _simulate_command(args: argparse.Namespace) -> int:
 
 def _replay_command(args: argparse.Namespace) -> int:
     from gyre_ray.sim.engine import SimulationError
-    from gyre_ray.sim.replay import format_prediction, predict_run
+    from gyre_ray.sim.replay import check_run_dir, format_prediction, predict_run
     from gyre_ray.sim.workload import WorkloadError
 
-    ignored = [flag for flag, value in (("--workload", args.workload), ("--plot", args.plot)) if value]
-    if ignored or args.steps is not None or args.seed is not None:
+    given = (args.workload, args.steps, args.seed, args.plot, args.plot_hours)
+    if any(value is not None for value in given):
         return _fail(
             "simulate",
-            "--trace replays the run's own workload and steps; drop --workload/--steps/--seed/--plot",
+            "--trace replays the run's own workload and steps; drop --workload/--steps/--seed/--plot/--plot-hours",
         )
+    for problem in (
+        _out_of_range("--cells", args.cells, 1, MAX_CELLS),
+        _out_of_range("--staleness", args.staleness, 0),
+    ):
+        if problem:
+            return _fail("simulate", problem)
     run_dir = Path(args.trace)
-    if not run_dir.is_dir():
-        return _fail("simulate", f"--trace {run_dir}: not a folder (expected a run folder with trace.jsonl)")
+    if run_dir.is_file():
+        return _fail(
+            "simulate",
+            f"--trace {run_dir} is a file; give the run folder that holds it (--workload FILE replays a bare trace)",
+        )
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     try:
+        check_run_dir(run_dir)
         scheduler = _replay_scheduler(run_dir, args.config, args.overrides)
         report = predict_run(
             run_dir, args.cells, args.staleness, policies, scheduler.async_train_cells or None, scheduler
@@ -236,6 +277,11 @@ def _progress_line(message: str) -> None:
     print(f"gyre-ray simulate: {message}", file=sys.stderr, flush=True)
 
 
+def _plan_progress(message: str) -> None:
+    """`plan` reports each simulated layout on stderr (the defaults take over a minute); stdout stays clean."""
+    print(f"gyre-ray plan: {message}", file=sys.stderr, flush=True)
+
+
 def _plan_command(args: argparse.Namespace) -> int:
     from gyre_ray.config import load_config
     from gyre_ray.sim.engine import SimulationError
@@ -246,14 +292,20 @@ def _plan_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     staleness = args.staleness if args.staleness is not None else cfg.scheduler.staleness
     seed = args.seed if args.seed is not None else cfg.sim.seed
-    if not args.nodes or min(args.nodes) < 2:
-        return _fail("plan", f"--nodes must list cluster sizes >= 2, got {args.nodes}")
+    if not args.nodes or min(args.nodes) < 2 or max(args.nodes) > MAX_CELLS:
+        return _fail("plan", f"--nodes must list cluster sizes from 2 to {MAX_CELLS:,}, got {args.nodes}")
+    if args.cell_nodes is not None and (not args.cell_nodes or min(args.cell_nodes) < 1):
+        return _fail("plan", f"--cell-nodes must list cell sizes >= 1 node, got {args.cell_nodes}")
     for flag, value in (
         ("--reference-nodes", args.reference_nodes),
         ("--min-cell-nodes", args.min_cell_nodes),
+        ("--steps", args.steps),
     ):
         if value is not None and value < 1:
             return _fail("plan", f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--staleness", staleness), ("--seed", seed)):
+        if value < 0:
+            return _fail("plan", f"{flag} must be >= 0, got {value}")
     reference = args.reference_nodes if args.reference_nodes is not None else args.nodes[0]
     try:
         spec, _ = load_workload(args.workload or cfg.sim.workload)
@@ -268,6 +320,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             args.policy,
             seed,
             costs_from(cfg.sim),
+            progress=_plan_progress,
         )
         picks = {n: recommend(layouts, n) for n in args.nodes}
     except (WorkloadError, ValueError) as exc:

@@ -16,7 +16,7 @@ class SimSection(Section):
 
     workload: str = Field("nl2repo", description="Workload preset name or path to a workload YAML / trace.")
     steps: int = Field(48, ge=1, description="RL steps to simulate.")
-    seed: int = Field(0, description="Random seed of the synthetic workload.")
+    seed: int = Field(0, ge=0, description="Random seed of the synthetic workload (numpy needs >= 0).")
     cells: int = Field(
         8, ge=1, description="Cells of the simulated cluster (same device budget for any count)."
     )

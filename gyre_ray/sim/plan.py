@@ -11,6 +11,8 @@ cluster sizes, node-hours tell what the speed costs.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gyre_ray.sim.engine import SimCosts
@@ -50,7 +52,9 @@ def scale_cluster(spec: WorkloadSpec, factor: float) -> WorkloadSpec:
 def candidate_layouts(nodes: int, min_cell_nodes: int, cell_nodes: list[int] | None) -> list[tuple[int, int]]:
     """(cell_nodes, cells) pairs that split `nodes` evenly into cells of at least `min_cell_nodes`."""
     sizes = cell_nodes or [s for s in range(1, nodes + 1) if nodes % s == 0]
-    bad = [s for s in sizes if s < 1 or nodes % s]
+    if sizes and min(sizes) < 1:
+        raise ValueError(f"cell sizes must be >= 1 node, got {sorted(set(sizes))}")
+    bad = [s for s in sizes if nodes % s]
     if bad:
         raise ValueError(f"cell sizes {bad} do not divide {nodes} nodes evenly")
     layouts = [(s, nodes // s) for s in sorted(set(sizes)) if s >= min_cell_nodes and nodes // s >= 2]
@@ -72,13 +76,29 @@ def plan_layouts(
     policy: str = "elastic",
     seed: int = 0,
     costs: SimCosts | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list[Layout]:
-    """Simulate `policy` on every layout of every cluster size; returns them fastest first."""
+    """Simulate `policy` on every layout of every cluster size; returns them fastest first.
+
+    Every cluster size's layouts are checked before the first simulation. `progress`, if given, gets a
+    line after each layout (its makespan per step, ratio to the bound, and seconds taken)."""
+    candidates = {nodes: candidate_layouts(nodes, min_cell_nodes, cell_nodes) for nodes in node_counts}
+    total = sum(len(c) for c in candidates.values())
     layouts: list[Layout] = []
-    for nodes in node_counts:
+    began = time.monotonic()
+    for nodes, pairs in candidates.items():
         wl: SampledWorkload = sample_workload(scale_cluster(spec, nodes / reference_nodes), steps, seed)
-        for size, cells in candidate_layouts(nodes, min_cell_nodes, cell_nodes):
+        for size, cells in pairs:
+            started = time.monotonic()
             result = simulate(wl, [policy], cells, staleness, costs)[policy]
+            if progress is not None:
+                now = time.monotonic()
+                progress(
+                    f"{nodes} nodes as {cells} cells of {size} node{'s' if size > 1 else ''}: "
+                    f"{result.makespan_s / 3600 / steps:.3f} h per step, "
+                    f"{result.makespan_s / result.lower_bound_s:.3f} x bound "
+                    f"({len(layouts) + 1}/{total}, {now - started:.1f} s, {now - began:.1f} s in all)"
+                )
             layouts.append(
                 Layout(
                     nodes,

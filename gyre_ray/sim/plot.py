@@ -13,6 +13,27 @@ from typing import Any
 
 from gyre_ray.sim.timeline import SimResult
 
+PLOT_FORMATS = ("png", "pdf", "svg")  # what `plot_path` accepts; matplotlib picks the writer by suffix
+
+
+def plot_path(path: str | Path) -> Path:
+    """The file a plot goes to: `path`, with `.png` added when it has no suffix.
+
+    `ValueError` (one line) when `path` is a folder, its suffix is not one of `PLOT_FORMATS`, or its
+    folder does not exist (it is not created).
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name such as {out / 'timeline.png'}")
+    if not out.suffix:
+        out = out.with_name(out.name + ".png")
+    if out.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise ValueError(f"{path}: plots are written as {', '.join(PLOT_FORMATS)}, not {out.suffix}")
+    if not out.parent.is_dir():
+        raise ValueError(f"{path}: folder {out.parent} does not exist")
+    return out
+
+
 _COLORS = {
     "rollout": "#dbe7f3",
     "load": "#2f6db5",
@@ -30,7 +51,9 @@ def plot_timelines(
     title: str = "",
     max_hours: float | None = None,
 ) -> Path:
-    """Draw every result's cell-role timeline into one PNG at `path` (hours on the x axis)."""
+    """Draw every result's cell-role timeline into one image at `plot_path(path)` (hours on the x axis);
+    returns the file written."""
+    out = plot_path(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -57,7 +80,6 @@ def plot_timelines(
     if title:
         fig.suptitle(title, y=1.0 - 0.5 / fig.get_figheight(), fontsize=10, va="top")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / fig.get_figheight()))
-    out = Path(path)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

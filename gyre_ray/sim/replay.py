@@ -120,6 +120,23 @@ def _number(value: Any, key: str, path: Path, integer: bool = False) -> Any:
     return int(value) if integer else float(value)
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """`WorkloadError` unless `run_dir` is a folder holding `trace.jsonl` and `costs.json` (saying which lacks)."""
+    if not run_dir.is_dir():
+        raise WorkloadError(
+            f"{run_dir} is not a folder (expected a run folder with {TRACE_FILE} and {COSTS_FILE})"
+        )
+    for name in (TRACE_FILE, COSTS_FILE):
+        if (run_dir / name).is_dir():
+            raise WorkloadError(f"{run_dir / name} is a folder, not the run's {name}")
+    missing = [name for name in (TRACE_FILE, COSTS_FILE) if not (run_dir / name).is_file()]
+    if missing:
+        raise WorkloadError(
+            f"{run_dir} holds no {' nor '.join(missing)} (a run writes {TRACE_FILE} and {COSTS_FILE} when "
+            "it ends; one still running or stopped early lacks them)"
+        )
+
+
 def run_workload(run_dir: Path, cells: int, costs: RunCosts) -> SampledWorkload:
     """The run's recorded executions as a workload of `costs.steps` steps on `cells` cells.
 
@@ -197,6 +214,11 @@ def predict_run(
     """
     from gyre_ray.sim.runner import run_policy
 
+    check_run_dir(run_dir)
+    if cells is not None and cells < 1:
+        raise WorkloadError(f"cells must be >= 1, got {cells}")
+    if staleness is not None and staleness < 0:
+        raise WorkloadError(f"staleness must be >= 0, got {staleness}")
     costs = read_costs(run_dir / COSTS_FILE)
     section = scheduler if scheduler is not None else run_scheduler_section(run_dir)
     cells = costs.cells if cells is None else cells

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre_ray.sim.workload import WorkloadError
+from gyre_ray.sim.workload import MAX_EXECUTIONS, WorkloadError
 
 _FIELDS = ("start", "end", "task", "step", "timed_out", "trajectories")
 _ACCEPTED = ("execution", "id", "exec_id", "calls", "tokens", "dropped", "version", "reward")
@@ -64,6 +64,8 @@ def _bool_value(value: Any, where: str) -> bool:
 
 def read_trace(path: Path) -> list[dict[str, Any]]:
     """Validated records `{"duration_s", "task", "step", "timed_out"}` in file order."""
+    if path.is_dir():
+        raise WorkloadError(f"trace file {path} is a folder (expected a JSONL or CSV trace)")
     if not path.is_file():
         raise WorkloadError(f"trace file {path} not found")
     try:
@@ -174,6 +176,14 @@ def replay_trace(path: Path, steps: int, group_size: int) -> tuple[np.ndarray, .
         for r in records:
             by_step.setdefault(r["step"], []).append(r)
         recorded_steps = [by_step[s] for s in sorted(by_step)]
+    cycles, rest = divmod(steps, len(recorded_steps))
+    sizes = [len(rs) for rs in recorded_steps]
+    total = cycles * sum(sizes) + sum(sizes[:rest])
+    if total > MAX_EXECUTIONS:
+        raise WorkloadError(
+            f"{path}: {steps} steps replaying {len(records):,} executions over {len(sizes)} recorded step(s) "
+            f"= {total:,} executions; the simulator samples at most {MAX_EXECUTIONS:,}"
+        )
     step_groups = [_groups_of(rs, group_size) for rs in recorded_steps]
     durations, batches, groups, timed, kept = [], [], [], [], []
     group_id = 0

@@ -29,6 +29,11 @@ class WorkloadError(ValueError):
     """A workload file or trace is invalid; the message names the field and the limit."""
 
 
+# Most executions one simulation samples (steps x tasks_per_step x group_size): 1.2 GB at peak to
+# sample, and 400 x the default's 49,152 (nl2repo, 48 steps; one simulation of it takes seconds).
+MAX_EXECUTIONS = 20_000_000
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -144,6 +149,11 @@ def sample_workload(
     """Draw `steps` batches from `spec` (or replay its trace, cycling its steps)."""
     if steps < 1:
         raise WorkloadError(f"steps must be >= 1, got {steps}")
+    if spec.trace is None and steps * spec.executions_per_step > MAX_EXECUTIONS:
+        raise WorkloadError(
+            f"{steps} steps x {spec.tasks_per_step} tasks_per_step x {spec.group_size} group_size = "
+            f"{steps * spec.executions_per_step:,} executions; the simulator samples at most {MAX_EXECUTIONS:,}"
+        )
     rng = np.random.default_rng(seed)
     if spec.trace is not None:
         from gyre_ray.sim.traces import replay_trace
@@ -238,9 +248,10 @@ def spec_from_dict(data: dict[str, Any], source: str = "<dict>") -> WorkloadSpec
     data = dict(data)
     base_name = data.pop("extends", None)
     if base_name is not None:
-        if base_name not in PRESETS:
+        if not isinstance(base_name, str) or base_name not in PRESETS:
+            what = "unknown preset" if isinstance(base_name, str) else "must be a preset name, got"
             raise WorkloadError(
-                f"workload {source}: extends: unknown preset {base_name!r}; known: {', '.join(PRESETS)}"
+                f"workload {source}: extends: {what} {base_name!r}; known: {', '.join(PRESETS)}"
             )
         merged = PRESETS[base_name].model_dump(exclude_none=True)
         for key, value in data.items():
@@ -264,6 +275,12 @@ def load_workload(name_or_path: str) -> tuple[WorkloadSpec, Path | None]:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path], None
     path = Path(name_or_path)
+    if path.is_dir():
+        hint = " (a run folder replays with `gyre-ray simulate --trace RUN_DIR`)"
+        raise WorkloadError(
+            f"workload {path} is a folder; give a preset ({', '.join(PRESETS)}) or a .yaml/.yml/.jsonl/.csv file"
+            + (hint if (path / "trace.jsonl").is_file() else "")
+        )
     if path.suffix.lower() in (".jsonl", ".csv"):
         if not path.is_file():
             raise WorkloadError(f"trace file {path} not found")
