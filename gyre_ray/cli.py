@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Each module exposes `register(subparsers) -> None` and sets `handler` defaults on its parsers.
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gyre-ray: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `gyre-ray traj show DIR | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
 
 
 if __name__ == "__main__":

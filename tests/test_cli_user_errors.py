@@ -110,3 +110,16 @@ def test_generate_says_when_weights_are_untrained_and_takes_a_runs_checkpoint(
         capsys, "generate", "--prompt", "hi", "--run", str(checkpointed_run), "--model-dir", "x"
     )
     assert code == 2 and "not both" in err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """`gyre-ray config --describe | head -1`: the closed pipe ends the command quietly."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        f"{sys.executable} -m gyre_ray.cli config --describe | head -1",
+        shell=True, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.stdout.startswith("run.") and len(done.stdout.splitlines()) == 1
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
