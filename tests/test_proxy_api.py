@@ -581,3 +581,30 @@ def test_hopeless_prompts_are_refused_before_encoding_and_errors_name_the_field(
     assert errors["anthropic any"]["message"] == "tool_choice 'any' needs tools to choose from"
     assert errors["null"]["message"] == "the request body must be a JSON object, got null"
     assert errors["digits"]["message"] == "malformed JSON: a number has more than 4300 digits"
+
+
+def test_options_the_proxy_does_not_serve_are_refused_by_name(proxy):
+    """Asking for log-probs, best_of or a suffix is a 400 naming the option, never a silent null."""
+
+    async def body(c, _):
+        key = {"Authorization": f"Bearer {c.openai.api_key}"}
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        asks = {
+            "logprobs": ("/v1/chat/completions", {**chat, "logprobs": True}),
+            "top_logprobs": ("/v1/chat/completions", {**chat, "top_logprobs": 2}),
+            "completion logprobs": ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 2}),
+            "best_of": ("/v1/completions", {"model": "m", "prompt": "hi", "best_of": 3}),
+            "suffix": ("/v1/completions", {"model": "m", "prompt": "hi", "suffix": "!"}),
+            "plain": ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 0}),
+        }
+        return {
+            name: await c.http.post(path, json=payload, headers=key) for name, (path, payload) in asks.items()
+        }
+
+    out, _ = scenario(proxy, body)
+    assert out.pop("plain").status_code == 200
+    params = {name: (r.status_code, r.json()["error"]["param"]) for name, r in out.items()}
+    assert params == {
+        "logprobs": (400, "logprobs"), "top_logprobs": (400, "top_logprobs"),
+        "completion logprobs": (400, "logprobs"), "best_of": (400, "best_of"), "suffix": (400, "suffix"),
+    }  # fmt: skip

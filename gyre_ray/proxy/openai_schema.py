@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gyre_ray.proxy.errors import bad_request
 from gyre_ray.proxy.prompt import ChatPrompt, check_parameters_schema, check_tool_name
 
+_NO_LOGPROBS = (
+    "log-probs are not returned to clients: the proxy records each generated token's log-prob "
+    "(GET /gyre/executions/ID/records, admin)"
+)
 _SEED = Field(None, ge=-(1 << 63), le=(1 << 63) - 1, description="Sampling seed.")
 
 
@@ -97,6 +101,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.logprobs or self.top_logprobs:
+            raise bad_request(_NO_LOGPROBS, "logprobs" if self.logprobs else "top_logprobs")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -158,6 +168,17 @@ class CompletionRequest(SamplingFields):
         | (Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)])
     )
     echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.logprobs:
+            raise bad_request(_NO_LOGPROBS, "logprobs")
+        if (self.best_of or 1) > 1:
+            raise bad_request("best_of > 1 is not supported: one completion per call", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported (no insertion mode)", "suffix")
 
     def prompt_text_or_ids(self) -> str | list[int]:
         """The single prompt, as text or as token ids (a batch of one is unwrapped)."""
