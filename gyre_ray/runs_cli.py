@@ -5,7 +5,9 @@ One line per run folder, newest first: its status, the steps logged of those con
 to do next where there is something to do. The status is read from what the job leaves:
 - `done`: `summary.json` (the job's last write; an empty or torn one, the job killed while writing
   it, does not count: such a run is `stopped` unless failed.json or live-run.json say more);
-- `failed`: `failed.json` (an error or Ctrl-C: `gyre_ray.train.note_failure`), with its error;
+- `failed`: `failed.json` (an error, Ctrl-C, or no execution scored in any step:
+  `gyre_ray.train.note_failure`), with its error; it wins over `summary.json` (a resumed segment
+  that failed after an earlier one ended);
 - `live`: `live-run.json` (a run on a persistent Ray cluster whose driver is or was attached to it:
   `gyre-ray train --attach` finishes it if that driver died), with `driver` from
   `gyre_ray.live_run.driver_state`: `running`, `gone` (a driver of this host no longer runs: attach,
@@ -25,7 +27,7 @@ from typing import Any
 from gyre_ray.checkpoint import complete_checkpoints, load_state
 from gyre_ray.live_run import LIVE_FILE, driver_state
 from gyre_ray.proxy.store_files import json_lines
-from gyre_ray.train import FAILED_FILE
+from gyre_ray.train import FAILED_FILE, NOTHING_SCORED
 
 FIRST_LAST = 3  # steps averaged at each end of the reward
 
@@ -72,15 +74,15 @@ def describe_run(folder: Path) -> dict[str, Any]:
         steps_configured = int(json.loads((folder / "config.json").read_text())["run"]["steps"])
     except (ValueError, KeyError, TypeError):
         steps_configured = None
-    rewards = [
-        float(row["reward_mean"]) for row in json_lines(folder / "metrics.jsonl") if "reward_mean" in row
-    ]
+    logged = [row for row in json_lines(folder / "metrics.jsonl") if "reward_mean" in row]
+    # a step that scored no execution logs reward_mean null: logged, but no reward to average
+    rewards = [float(row["reward_mean"]) for row in logged if row["reward_mean"] is not None]
     run: dict[str, Any] = {
         "folder": str(folder),
         "name": folder.name,
         "status": "stopped",
         "error": None,
-        "steps_logged": len(rewards),
+        "steps_logged": len(logged),
         "steps_configured": steps_configured,
         "reward_first": _mean(rewards[:FIRST_LAST]),
         "reward_last": _mean(rewards[-FIRST_LAST:]),
@@ -93,14 +95,17 @@ def describe_run(folder: Path) -> dict[str, Any]:
         run["checkpoint_step"] = int(load_state(checkpoints[-1]).get("step", 0))
     summary = _read_json(folder / "summary.json") if (folder / "summary.json").is_file() else None
     if summary:
-        run["status"] = "done"
         run["makespan_s"] = (summary.get("costs") or {}).get("makespan_s")
-    elif (folder / FAILED_FILE).is_file():
+    # failed.json first: a run that ended with no execution scored, or a resumed segment that failed
+    # after an earlier one wrote summary.json, has both
+    if (folder / FAILED_FILE).is_file():
         run["status"] = "failed"
         run["error"] = _read_json(folder / FAILED_FILE).get("error")
     elif (folder / LIVE_FILE).is_file():
         run["status"] = "live"
         run["driver"] = driver_state(_read_json(folder / LIVE_FILE).get("driver"))
+    elif summary:
+        run["status"] = "done"
     elif summary is not None:  # the job was killed while writing its last file: the run did not end
         run["error"] = "summary.json is empty or cut off (the job was killed while writing it)"
     run["next"] = _next_step(run)
@@ -120,6 +125,8 @@ def _next_step(run: dict[str, Any]) -> str:
     if run["status"] == "done":
         more = run["checkpoint_step"] is not None
         return f"gyre-ray train --resume {folder} run.steps=N (more steps)" if more else ""
+    if run["status"] == "failed" and NOTHING_SCORED in (run["error"] or ""):
+        return "fix the harness (agents.*; the executions' logs are under workspaces/), then start a new run"
     if run["checkpoint_step"] is not None:
         return f"gyre-ray train --resume {folder}"
     return "no checkpoint to resume from: start again (run.checkpoint_every=N saves one every N steps)"

@@ -70,6 +70,10 @@ def _train_command(args: argparse.Namespace) -> int:
         except CheckpointError as exc:
             raise ConfigError(f"cannot resume: {exc}") from None
     print(format_summary(summary))
+    failure = nothing_scored(summary["steps"])
+    if failure:
+        print(f"gyre-ray train: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -136,6 +140,7 @@ def train(
         live = live_run.attach(cfg, run_dir)
         start, restarts = live.start, live.restarts
     else:
+        check_model_path(cfg)  # a missing or torn model folder fails here, not in every cell
         cfg = prepare_policy(cfg, runs_root(cfg.run.run_dir))  # the warm-up (a no-op when it is off)
         split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
     if resume is not None:
@@ -149,19 +154,71 @@ def train(
     except BaseException as exc:
         note_failure(run_dir, exc)
         raise
-    (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run that ends well is no failed run
+    failure = nothing_scored(summary["steps"])
+    if failure:  # every step ran, but no execution was scored: nothing was learned
+        note_failure(run_dir, RuntimeError(failure), quiet=True)
+    else:
+        (run_dir / FAILED_FILE).unlink(missing_ok=True)  # a resumed run that ends well is no failed run
     return summary
+
+
+NOTHING_SCORED = "no execution was scored"
+
+
+def nothing_scored(steps: list[dict[str, Any]]) -> str | None:
+    """Why a run whose steps all ran learned nothing (no execution scored in any step), or None."""
+    if not steps or scored_rewards(steps):
+        return None
+    reasons: dict[str, int] = {}
+    for m in steps:
+        for why, n in (m.get("drop_reasons") or {}).items():
+            reasons[why] = reasons.get(why, 0) + int(n)
+    said = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+    return (
+        f"{NOTHING_SCORED} in any of the {len(steps)} step(s) ({said or 'every one dropped'}), so "
+        "nothing was learned: check the harness (agents.*); each execution's log is under the run "
+        "folder's workspaces/"
+    )
 
 
 FAILED_FILE = "failed.json"
 
 
-def note_failure(run_dir: Path, exc: BaseException) -> None:
+def check_model_path(cfg: GyreConfig) -> None:
+    """A ConfigError before any Ray actor starts when `model.path` is not a loadable HF folder here
+    (on a cluster that outlives the driver, a path only the workers see is left to them)."""
+    from gyre_ray.config import ConfigError
+    from gyre_ray.live_run import persistent_cluster
+    from gyre_ray.model.checkpoint import check_hf_folder
+
+    path = cfg.model.path
+    if not path or (not Path(path).exists() and persistent_cluster()):
+        return
+    try:
+        check_hf_folder(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: {exc}") from None
+
+
+def error_text(exc: BaseException) -> str:
+    """`Type: message` of what went wrong, one paragraph: a Ray task error is unwrapped to its cause
+    (its text holds the remote traceback) and terminal colour codes are dropped."""
+    import re
+
+    cause = getattr(exc, "cause", None)
+    while isinstance(cause, BaseException) and cause is not exc:
+        exc, cause = cause, getattr(cause, "cause", None)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(exc).__name__}: {exc}")
+    return text if len(text) <= 2000 else text[:2000] + " ..."
+
+
+def note_failure(run_dir: Path, exc: BaseException, quiet: bool = False) -> None:
     """Say in the run folder why the run stopped (`failed.json`: the error, when, the steps logged);
-    the folder keeps what was saved before (metrics, records, checkpoints: `--resume` continues)."""
+    the folder keeps what was saved before (metrics, records, checkpoints: `--resume` continues).
+    `quiet`: the caller says why itself (nothing on stderr here)."""
     from gyre_ray.proxy.store_files import json_lines
 
-    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else error_text(exc)
     note = {
         "error": why,
         "failed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -171,7 +228,15 @@ def note_failure(run_dir: Path, exc: BaseException) -> None:
         (run_dir / FAILED_FILE).write_text(json.dumps(note, indent=2))
     except OSError:  # the folder itself is what failed (a full or read-only disk): the error says so
         return
-    print(f"gyre-ray: the run stopped; {run_dir / FAILED_FILE} says why", file=sys.stderr, flush=True)
+    if quiet:
+        return
+    saved = latest_checkpoint(run_dir)
+    then = (
+        f"`gyre-ray train --resume {run_dir}` continues from step {int(load_state(saved)['step'])}"
+        if saved is not None
+        else "no checkpoint to resume from yet (run.checkpoint_every=N saves one every N steps)"
+    )
+    print(f"gyre-ray: the run stopped; {run_dir / FAILED_FILE} says why; {then}", file=sys.stderr, flush=True)
 
 
 def _run_segments(
@@ -241,7 +306,7 @@ def _run_segment(
             runtime = live.runtime
         try:
             print(
-                f"gyre-ray: proxy at {runtime.proxy.base_url}; {len(runtime.cells)} dual-role cells "
+                f"gyre-ray: proxy at {runtime.proxy.base_url}; {_plural(len(runtime.cells), 'dual-role cell')} "
                 f"({runtime.core_id} is the core) in Ray namespace {runtime.namespace}; scheduler policy "
                 f"{cfg.scheduler.policy}, staleness bound {cfg.scheduler.staleness}",
                 flush=True,
@@ -377,7 +442,7 @@ def format_step(m: dict[str, Any]) -> str:
         text += f", micro-batches trained by cell: {trained}, weights v{m['version']}"
     switches = m.get("switches", [])
     if switches:
-        text += f"; {len(switches)} role switches"
+        text += f"; {_plural(len(switches), 'role switch', 'role switches')}"
     stale = m.get("staleness")
     if stale:
         text += (
@@ -394,6 +459,10 @@ def format_step(m: dict[str, Any]) -> str:
             f"(mu {model['mu_log_hours']:.3f} log h, sigma {model['sigma_log_hours']:.3f}, rho {model['rho']:.2f})"
         )
     return text
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def scored_rewards(steps: list[dict[str, Any]]) -> list[float]:
@@ -418,7 +487,7 @@ def reward_trend(steps: list[dict[str, Any]], window: int = 3) -> str:
     rewards = scored_rewards(steps)
     if not rewards:
         return "reward trend: no scored steps"
-    k = min(window, len(rewards))
+    k = max(1, min(window, len(rewards) // 2))  # two windows that do not overlap (one step: itself)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     return (
         f"reward trend: first {k} step(s) {first:.3f} -> last {k} step(s) {last:.3f} ({last - first:+.3f}); "

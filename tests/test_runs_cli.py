@@ -147,3 +147,29 @@ def test_an_empty_or_torn_summary_is_no_proof_the_run_ended(tmp_path: Path, summ
     }
     assert runs["bare"]["next"] == f"gyre-ray train --resume {tmp_path / 'bare'}"
     assert runs["failed"]["error"] == "interrupted" and runs["live"]["error"] is None
+
+
+def test_steps_that_scored_nothing_count_as_logged_without_a_reward(tmp_path: Path) -> None:
+    """Every execution dropped: metrics.jsonl logs reward_mean null, which must not break the list."""
+    folder = make_run(tmp_path, "dropped", 3, [], 100.0)
+    rows = [
+        {"step": 0, "reward_mean": None},
+        {"step": 1, "reward_mean": 0.5},
+        {"step": 2, "reward_mean": None},
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run,) = list_runs(tmp_path)
+    assert run["steps_logged"] == 3 and run["reward_first"] == run["reward_last"] == 0.5
+    (folder / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    (run,) = list_runs(tmp_path)
+    assert run["steps_logged"] == 1 and run["reward_first"] is None
+
+
+def test_failed_json_wins_over_a_summary(tmp_path: Path) -> None:
+    """A run that scored nothing, or a resumed segment that failed after an earlier one ended, has both."""
+    folder = make_run(tmp_path, "both", 2, [], 100.0)
+    (folder / "summary.json").write_text(json.dumps({"costs": {"makespan_s": 9.0}}))
+    (folder / "failed.json").write_text(json.dumps({"error": "RuntimeError: no execution was scored"}))
+    (run,) = list_runs(tmp_path)
+    assert run["status"] == "failed" and run["error"].endswith("no execution was scored")
+    assert run["next"].startswith("fix the harness")

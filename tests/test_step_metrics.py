@@ -45,6 +45,7 @@ def test_rewards_by_task_and_trend() -> None:
     assert "first 3 step(s) 0.250 -> last 3 step(s) 0.500 (+0.250)" in line
     assert line.endswith("per step 0.20 0.30 0.25 0.40 0.50 0.60")
     assert "first 1 step(s) 0.200" in reward_trend(steps[:1])
+    assert "first 1 step(s) 0.200 -> last 1 step(s) 0.250" in reward_trend(steps[:3])  # windows apart
 
 
 def test_a_step_that_scored_nothing_has_no_reward_and_says_why() -> None:

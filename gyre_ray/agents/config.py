@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from gyre_ray.configbase import Section
 
@@ -85,6 +85,12 @@ class AgentSection(Section):
     def _task_set(cls, value: str) -> str:
         return check_task_set(value)
 
+    @model_validator(mode="after")
+    def _command_given(self) -> AgentSection:
+        if self.harness == "command" and not self.command:
+            raise ValueError("harness=command needs agents.command (the argv template, a list of strings)")
+        return self
+
 
 def check_task_set(value: str) -> str:
     """A task set name, or an existing .jsonl/.yaml task file (made absolute); ValueError otherwise."""
@@ -100,4 +106,7 @@ def check_task_set(value: str) -> str:
         raise ValueError(f"task_set must be one of {', '.join(NAMED_TASK_SETS)} or a .jsonl/.yaml file")
     if not path.is_file():
         raise ValueError(f"task file {value} does not exist")
+    from gyre_ray.envs.taskfile import load_task_file
+
+    load_task_file(path.resolve())  # its first bad line, said now: not after the cells have started
     return str(path.resolve())

@@ -35,10 +35,16 @@ class HarnessSpec:
 
 
 def find_binary(env_var: str, cached: str, name: str) -> str | None:
-    """An executable from `$env_var`, the repo cache path `cached`, or PATH."""
-    for path in (os.environ.get(env_var), str(REPO / cached)):
-        if path and os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
+    """An executable from `$env_var`, else the repo cache path `cached`, else PATH. A `$env_var` that
+    names no executable is a FileNotFoundError: the user asked for that one, not another."""
+    chosen = os.environ.get(env_var)
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise FileNotFoundError(f"{env_var}={chosen} is not an executable file")
+        return chosen
+    path = str(REPO / cached)
+    if os.path.isfile(path) and os.access(path, os.X_OK):
+        return path
     return shutil.which(name)
 
 

@@ -117,7 +117,9 @@ class RolloutCell:
         if self.torch_threads:
             import torch
 
-            torch.set_num_threads(self.torch_threads)
+            # never more threads than this node has cores (cells.cpus_per_cell=100 on 2 cores ran
+            # 100 threads a cell and took 5x as long)
+            torch.set_num_threads(min(self.torch_threads, os.cpu_count() or 1))
         if self.engine is None:
             self.engine = self.engine_factory()
         return self.status()

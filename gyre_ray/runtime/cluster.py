@@ -24,6 +24,7 @@ import math
 import os
 import secrets
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,14 @@ def connect_ray(config: GyreConfig) -> bool:
         check_ray_address(os.environ["RAY_ADDRESS"])
         ray.init(logging_level="WARNING")
     else:
+        wanted, cores = config.cells.num_cells * config.cells.cpus_per_cell, os.cpu_count() or 1
+        if wanted > cores:
+            print(
+                f"gyre-ray: the cells reserve {wanted:g} CPUs (cells.num_cells x cells.cpus_per_cell) on a "
+                f"machine with {cores}: a private local Ray declares {math.ceil(wanted)}, so they share cores "
+                "and run slower (fine for a test)",
+                file=sys.stderr,
+            )
         gpus = math.ceil(config.cells.num_cells * config.cells.gpus_per_cell)
         options: dict = (
             {"_metrics_export_port": config.run.metrics_export_port} if config.run.metrics_export_port else {}
