@@ -45,9 +45,13 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._tty:
-            self.stream.write("\r" + self.line("done")[:150].ljust(150) + "\n")
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            end = "done"
         else:
-            self.stream.write(self.line("done") + "\n")
+            end = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "stopped on an error"
+        if self._tty:
+            self.stream.write("\r" + self.line(end)[:150].ljust(150) + "\n")
+        else:
+            self.stream.write(self.line(end) + "\n")
         self.stream.flush()
