@@ -70,3 +70,30 @@ def test_seed_files_cannot_escape_the_workspace(exec_tmp: Path) -> None:
     with pytest.raises(ValueError, match="escapes the workspace"):
         task.seed_workspace(exec_tmp / "ws")
     assert not (exec_tmp / "evil.txt").exists()
+
+
+def test_a_harness_that_cannot_start_is_dropped_saying_so(
+    exec_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing binary is 'harness could not start ...' in the step's drop reasons, not 'no model
+    calls; harness exited with code 127' with the real error only in the execution's log."""
+    from gyre_ray.agents import runner
+    from gyre_ray.agents.outcomes import reason_kind
+
+    monkeypatch.setattr(runner, "count_calls", lambda endpoint, execution_id: 0)
+    task = Task("t", "x", evaluate=lambda ws: EvalResult(1.0))
+    out = run_execution(
+        "e5",
+        task,
+        ENDPOINT,
+        exec_tmp / "ws",
+        command=["/nonexistent/my-agent"],
+        timeout_s=30,
+        require_calls=True,
+    )
+    assert not out.valid and reason_kind(out.reason) == "harness could not start '/nonexistent/my-agent'"
+    assert "No such file or directory" in out.reason
+    quiet = run_execution(
+        "e6", task, ENDPOINT, exec_tmp / "ws2", command=_py("pass"), timeout_s=30, require_calls=True
+    )
+    assert not quiet.valid and reason_kind(quiet.reason) == "no model calls"

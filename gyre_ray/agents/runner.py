@@ -15,6 +15,7 @@ with its reason, never an exception:
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -96,6 +97,10 @@ class _Options:
     passthrough: tuple[str, ...]
     home_files: dict[str, str]
     require_calls: bool
+
+
+# what `gyre_ray.agents.limits` prints when the harness's command cannot be executed (exit 127)
+START_FAILURE = re.compile(r"gyre-ray: cannot start ('[^'\n]*'|\"[^\"\n]*\"): ([^\n]*)")
 
 
 def run_execution(
@@ -182,7 +187,12 @@ def _run(
     tail = log_path.read_bytes()[-2000:].decode(errors="replace") if log_path.exists() else ""
     reasons = [r for r in (reason, "" if result.valid else result.detail) if r]
     if calls == 0:
-        reasons = ["no model calls", *([reason] if reason else [])]
+        unstarted = START_FAILURE.search(tail)  # the limits wrapper could not exec the harness
+        reasons = (
+            [f"harness could not start {unstarted[1]}", unstarted[2].strip()]
+            if unstarted
+            else ["no model calls", *([reason] if reason else [])]
+        )
     return ExecutionOutcome(
         execution_id=execution_id,
         task_id=task.task_id,

@@ -94,7 +94,7 @@ def record_files(folder: Path) -> list[Path]:
 
 
 def list_executions(folder: Path, executions: dict[str, list[Any]]) -> str:
-    """One line per execution of a records folder, in launch order: its id, calls and tokens (prompt +
+    """One line per execution of a records folder, by its first model call: its id, calls and tokens (prompt +
     output of every call, as `trace.jsonl` counts them)."""
     width = max(len("execution"), *map(len, executions))
     lines = [
