@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.evaluation import EVAL_FILE
-from gyre_ray.proxy.store_files import json_lines
+from gyre_ray.proxy.store_files import json_lines, json_object
 
 _TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
 _EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
@@ -93,12 +93,7 @@ def segment_offset(run_dir: str | Path, first_step: int) -> float:
 def _summary(run_dir: Path) -> dict[str, Any]:
     """The earlier segment's summary.json; {} when absent, or empty or cut off (the job was killed
     while writing it: its trace and steps are still read from trace.jsonl and metrics.jsonl)."""
-    path = run_dir / "summary.json"
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}
+    return json_object(run_dir / "summary.json", {})
 
 
 def shift(row: dict[str, Any], keys: tuple[str, ...], offset: float) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from gyre_ray.checkpoint import complete_checkpoints, load_state
 from gyre_ray.live_run import LIVE_FILE, driver_state
-from gyre_ray.proxy.store_files import json_lines
+from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.train import FAILED_FILE, NOTHING_SCORED
 
 FIRST_LAST = 3  # steps averaged at each end of the reward
@@ -93,17 +93,17 @@ def describe_run(folder: Path) -> dict[str, Any]:
     checkpoints = complete_checkpoints(folder)
     if checkpoints:
         run["checkpoint_step"] = int(load_state(checkpoints[-1]).get("step", 0))
-    summary = _read_json(folder / "summary.json") if (folder / "summary.json").is_file() else None
+    summary = json_object(folder / "summary.json", {}) if (folder / "summary.json").is_file() else None
     if summary:
         run["makespan_s"] = (summary.get("costs") or {}).get("makespan_s")
     # failed.json first: a run that ended with no execution scored, or a resumed segment that failed
     # after an earlier one wrote summary.json, has both
     if (folder / FAILED_FILE).is_file():
         run["status"] = "failed"
-        run["error"] = _read_json(folder / FAILED_FILE).get("error")
+        run["error"] = json_object(folder / FAILED_FILE, {}).get("error")
     elif (folder / LIVE_FILE).is_file():
         run["status"] = "live"
-        run["driver"] = driver_state(_read_json(folder / LIVE_FILE).get("driver"))
+        run["driver"] = driver_state(json_object(folder / LIVE_FILE, {}).get("driver"))
     elif summary:
         run["status"] = "done"
     elif summary is not None:  # the job was killed while writing its last file: the run did not end
@@ -163,12 +163,3 @@ def format_runs(runs: list[dict[str, Any]], root: Path) -> str:
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object, or {} when the file is torn or not an object (a run killed while writing it)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

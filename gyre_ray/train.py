@@ -205,9 +205,9 @@ def error_text(exc: BaseException) -> str:
     (its text holds the remote traceback) and terminal colour codes are dropped."""
     import re
 
-    cause = getattr(exc, "cause", None)
-    while isinstance(cause, BaseException) and cause is not exc:
-        exc, cause = cause, getattr(cause, "cause", None)
+    from gyre_ray.proxy.errors import root_cause
+
+    exc = root_cause(exc)
     text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(exc).__name__}: {exc}")
     return text if len(text) <= 2000 else text[:2000] + " ..."
 

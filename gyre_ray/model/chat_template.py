@@ -185,6 +185,12 @@ def render(
     return "".join(s.text for s in render_segments(messages, tools, add_generation_prompt))
 
 
+def tokens_at_least(chars: int, token_chars: int) -> int:
+    """The fewest tokens `chars` characters of text encode to when no token spells more than
+    `token_chars` of them."""
+    return -(-chars // max(token_chars, 1))
+
+
 class PromptTooLong(ValueError):
     """The prompt surely has at least `at_least` tokens, more than allowed: found before encoding it."""
 
@@ -215,7 +221,7 @@ def encode_chat(
     if token_limit is not None:
         limit, token_chars = token_limit
         chars = sum(len(seg.text) for seg in segments if assistant_tokens.get(seg.message_index) is None)
-        at_least = -(-chars // max(token_chars, 1))
+        at_least = tokens_at_least(chars, token_chars)
         if at_least >= limit:
             raise PromptTooLong(at_least)
     ids: list[int] = []

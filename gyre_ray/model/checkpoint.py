@@ -7,7 +7,9 @@ sharded checkpoints (`model.safetensors.index.json`) load too.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,9 +99,11 @@ def _weights_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in model folder {folder}")
 
 
-def _load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+@contextlib.contextmanager
+def _named_weights_file(path: Path) -> Iterator[None]:
+    """A missing or unreadable safetensors file, said as a FileNotFoundError / ValueError naming it."""
     try:
-        return load_file(str(path))
+        yield
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing (named by the model folder's index)") from None
     except Exception as exc:  # safetensors' own error type: a torn or foreign file
@@ -111,7 +115,8 @@ def read_hf_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     ValueError / FileNotFoundError naming it)."""
     state: dict[str, torch.Tensor] = {}
     for path in _weights_files(Path(folder)):
-        state.update(_load_weights_file(path))
+        with _named_weights_file(path):
+            state.update(load_file(str(path)))
     return state
 
 
@@ -122,13 +127,8 @@ def check_hf_folder(folder: str | Path) -> None:
 
     read_hf_config(folder)
     for path in _weights_files(Path(folder)):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                handle.keys()
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path} is missing (named by the model folder's index)") from None
-        except Exception as exc:  # safetensors' own error type
-            raise ValueError(f"{path} is not a readable safetensors file ({exc})") from None
+        with _named_weights_file(path), safe_open(str(path), framework="pt") as handle:
+            handle.keys()
 
 
 def load_hf(folder: str | Path, dtype: torch.dtype | str | None = None) -> tuple[Qwen3ForCausalLM, ModelArgs]:

@@ -26,6 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.proxy.store_files import json_object
+
 KIND_COLORS = {"rollout": "#2f6db5", "training": "#e07b1a", "switching": "#9e9e9e"}
 TABLE_KEYS = ("step", "reward_mean", "valid", "executions", "calls", "loss", "grad_norm", "step_seconds")
 
@@ -61,15 +63,6 @@ def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_summary(path: Path) -> dict[str, Any] | None:
-    """`summary.json` as an object; None when it is empty or torn (the job killed while writing it)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _newest_eval(run_dir: Path) -> Path | None:
     """The newest `RUN_DIR/evals/<time>/eval.jsonl` (`gyre-ray eval --run`), or None."""
     found = sorted((run_dir / "evals").glob("*/eval.jsonl")) if (run_dir / "evals").is_dir() else []
@@ -88,7 +81,7 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     notes: list[str] = []
     steps = _read_jsonl(run_dir / "metrics.jsonl", notes)
     trace = _read_jsonl(run_dir / "trace.jsonl", notes) if "trace.jsonl" not in missing else None
-    summary = _read_summary(run_dir / "summary.json") if "summary.json" not in missing else None
+    summary = json_object(run_dir / "summary.json")  # None: absent, empty or cut off
     if not steps and not trace and summary is None:
         raise ReportError(f"{run_dir}: nothing to draw yet: metrics.jsonl holds no step")
     rounds = _read_jsonl(run_dir / "eval.jsonl", notes) if (run_dir / "eval.jsonl").is_file() else []

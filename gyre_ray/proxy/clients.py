@@ -18,6 +18,7 @@ from typing import Any
 
 from gyre_ray.cells.cell import CellEvent, RolloutCell
 from gyre_ray.engines.base import GenerateRequest, KVState
+from gyre_ray.proxy.errors import root_cause
 from gyre_ray.transfer import Ticket
 
 
@@ -198,8 +199,8 @@ class RayStoreClient:
         try:
             return await getattr(self.actor, method).remote(*args)
         except RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, Exception):
+            cause = root_cause(exc)
+            if cause is not exc and isinstance(cause, Exception):
                 raise cause from None
             raise
 

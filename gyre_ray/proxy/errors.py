@@ -26,6 +26,15 @@ _TYPES: dict[int, tuple[str, str]] = {
 }
 
 
+def root_cause(exc: BaseException) -> BaseException:
+    """The error at the bottom of Ray's wrappers (a `RayTaskError` keeps the actor's own error as
+    `cause`; its text is the remote traceback); `exc` itself when it wraps nothing."""
+    cause = getattr(exc, "cause", None)
+    while isinstance(cause, BaseException) and cause is not exc:
+        exc, cause = cause, getattr(cause, "cause", None)
+    return exc
+
+
 class ApiError(Exception):
     """A request that fails with `status`; `message` is shown to the client as is."""
 

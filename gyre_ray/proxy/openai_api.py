@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response
 
+from gyre_ray.model.chat_template import tokens_at_least
 from gyre_ray.proxy.errors import ApiError, error_body
 from gyre_ray.proxy.front import begin, complete, sampling_for, sse, validate
 from gyre_ray.proxy.generation import Generation, Outcome
@@ -120,7 +121,7 @@ async def completions(service: Any, execution_id: str, body: Any, headers: dict[
     req = validate(CompletionRequest, body)
     prompt = req.prompt_text_or_ids()
     if isinstance(prompt, str):
-        at_least = -(-len(prompt) // service.codec.longest_token_chars)  # checked before encoding it
+        at_least = tokens_at_least(len(prompt), service.codec.longest_token_chars)  # before encoding
         service.check_prompt_length(at_least, at_least=True, param="prompt")
         ids = service.codec.encode(prompt)
     else:

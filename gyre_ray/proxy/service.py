@@ -239,8 +239,7 @@ class ProxyService:
         try:
             input_ids = self.codec.prompt_ids(prompt, assistant_tokens)
         except PromptTooLong as exc:  # found without encoding it
-            self.check_prompt_length(exc.at_least, at_least=True)
-            raise
+            raise self.prompt_too_long(exc.at_least, at_least=True) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         self.check_prompt_length(len(input_ids))
@@ -272,14 +271,16 @@ class ProxyService:
 
     def check_prompt_length(self, length: int, at_least: bool = False, param: str = "messages") -> None:
         """400 naming `param` when a prompt of `length` tokens (or more) leaves no room to generate."""
-        limit = self.codec.context_length
-        if length >= limit:
-            raise ApiError(
-                400,
-                f"the prompt is {'at least ' if at_least else ''}{length} tokens; the model's context "
-                f"length is {limit} tokens (prompt + max_tokens must fit)",
-                param,
-            )
+        if length >= self.codec.context_length:
+            raise self.prompt_too_long(length, at_least, param)
+
+    def prompt_too_long(self, length: int, at_least: bool = False, param: str = "messages") -> ApiError:
+        return ApiError(
+            400,
+            f"the prompt is {'at least ' if at_least else ''}{length} tokens; the model's context "
+            f"length is {self.codec.context_length} tokens (prompt + max_tokens must fit)",
+            param,
+        )
 
     def max_new_tokens(self, prompt_length: int, requested: int | None, param: str = "max_tokens") -> int:
         """max_tokens (the API's `param`) capped to what fits in the context; absurd values are rejected."""

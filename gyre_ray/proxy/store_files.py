@@ -30,6 +30,16 @@ REGISTRY_NAME = ".registry.jsonl"
 SPLICE_DIR = ".splice"
 
 
+def json_object(path: Path, default: Any = None) -> Any:
+    """The JSON object a file holds; `default` when it is absent, unreadable, empty or cut off (its
+    writer was killed mid-write), or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return default
+    return data if isinstance(data, dict) else default
+
+
 def key_digest(api_key: str) -> str:
     return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
 
