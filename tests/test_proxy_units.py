@@ -77,6 +77,9 @@ def test_generic_rule_other_system_prompt_is_a_subagent():
     )
     summary = _prompt("You are the main agent.", "Please summarize the conversation so far.")
     assert classify_role(summary, main_fingerprint=fingerprint) == "main-summary"
+    # A summariser prompt of its own may compact main's history or a sub-agent's: left to the tree.
+    own = _prompt("You summarize conversations.", "<history>\nSummarize the conversation so far.")
+    assert classify_role(own, main_fingerprint=fingerprint) == "unknown"
 
 
 def test_fingerprint_ignores_the_per_request_billing_header():

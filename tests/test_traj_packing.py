@@ -156,3 +156,18 @@ def test_build_training_batches_rejects_missing_rewards_and_skips_empty_executio
     assert {e for b in batches for e in b.meta["execution_ids"]} == {"e0"}
     with pytest.raises(ValueError, match="is listed under 'other'"):
         build_training_batches({"other": records}, {"other": 1.0}, {"other": "g"})
+
+
+def test_per_path_weights_leave_out_a_path_without_loss_tokens() -> None:
+    """Two paths, one of them a main call cut off before it generated a token: with `per_path`
+    weights the other path carries the whole execution (this used to divide by zero)."""
+    prompt = [1, 2, 3]
+    records = [
+        CallRecord("e", "m1", "main", prompt, [4, 5], [-1.0, -1.0], [0, 0], 0.0, 1.0),
+        CallRecord("e", "m2", "main", [*prompt, 9], [], [], [], 2.0, 3.0),
+    ]
+    proc = process_execution(records)
+    sample = pack_paths("e", proc.paths, weights="per_path")
+    weights = [w for ws in sample.path_weights for w in ws]
+    assert sorted(len(cols) for cols in sample.path_columns) == [0, 2]
+    assert weights == [pytest.approx(0.5), pytest.approx(0.5)]

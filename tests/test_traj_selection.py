@@ -211,3 +211,56 @@ def test_a_compaction_with_its_own_prompt_belongs_to_the_agent_whose_history_it_
     b.add("m3", "main", toks(4000, 6) + summary, toks(1600, 5))
     tree = CallTree.build(b.records)
     assert classify_roles(tree) == [b.truth[c.call_id] for c in tree.calls]
+
+
+def cut_off_main() -> list[CallRecord]:
+    """The main agent restarts from an edited context and its last call is cut off at the timeout
+    before it generates a token: that call's path has nothing to train."""
+    b = Builder()
+    ctx = b.add("m1", "main", SYS + toks(1000, 5), toks(1100, 3))
+    b.add("m2", "main", ctx + toks(1200, 2), toks(1300, 2))
+    b.add("m3", "main", SYS + toks(1000, 5) + [99], [])
+    return b.records
+
+
+@pytest.mark.parametrize("budget", [1, 5])
+def test_a_path_without_loss_tokens_takes_no_place(budget: int) -> None:
+    tree, _, paths, selected = processed(cut_off_main(), budget=budget)
+    assert sorted(p.num_loss_tokens for p in paths) == [0, 5]
+    assert [leaf_call(tree, p) for p in selected] == ["m2"]  # the last main call that generated tokens
+    assert selected[0].num_loss_tokens == 5
+
+
+def test_an_execution_without_generated_tokens_still_has_its_main_path() -> None:
+    b = Builder()
+    b.add("m1", "main", SYS + toks(1000, 5), [])
+    tree, _, _, selected = processed(b.records)
+    assert [leaf_call(tree, p) for p in selected] == ["m1"]
+
+
+def test_a_sub_agent_answer_returned_as_a_tool_result_is_not_a_summary() -> None:
+    """Roles hidden: main spawns a sub-agent whose answer comes back to main as a tool result, then
+    main compacts with a prompt of its own that holds that answer in the history. The answer seeds
+    nothing: the sub-agent stays a sub-agent and the compaction is main's."""
+    b = Builder(unknown=True)
+    ctx = b.add("m1", "main", SYS + toks(1000, 5), toks(1100, 10))
+    answer = b.add("sa1", "sub-agent", SUB + toks(2000, 4), toks(2100, 12))[-12:]
+    ctx = b.add("m2", "main", ctx + toks(1200, 2) + answer + toks(1250, 2), toks(1300, 10))
+    summary = b.add("m-sum", "main-summary", COMPACT + ctx[len(SYS) :], toks(1600, 12))[-12:]
+    b.add("m3", "main", SYS + toks(1000, 5) + summary, toks(1700, 4))
+    tree = CallTree.build(b.records)
+    assert dict(zip((c.call_id for c in tree.calls), classify_roles(tree), strict=True)) == b.truth
+
+
+def test_a_compaction_the_proxy_left_unknown_is_placed_by_the_tree() -> None:
+    """The proxy records a summary request with a system prompt of its own as `unknown` (it cannot
+    tell main's compaction from a sub-agent's); among known roles the tree finds it is main's."""
+    b = Builder()
+    ctx = b.add("m1", "main", SYS + toks(1000, 5), toks(1100, 10))
+    b.add("sa1", "sub-agent", SUB + toks(2000, 4), toks(2100, 12))
+    ctx = b.add("m2", "main", ctx + toks(1200, 2), toks(1300, 10))
+    summary = b.add("m-sum", "main-summary", COMPACT + ctx[len(SYS) :], toks(1600, 12))[-12:]
+    b.add("m3", "main", SYS + toks(1000, 5) + summary, toks(1700, 4))
+    b.records[3].role = "unknown"
+    tree = CallTree.build(b.records)
+    assert dict(zip((c.call_id for c in tree.calls), classify_roles(tree), strict=True)) == b.truth

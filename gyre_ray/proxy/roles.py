@@ -8,7 +8,9 @@ An `X-Gyre-Role` header decides when present. Otherwise per-harness rules read t
   a summary; an `agent_name` other than the main agent's makes it a sub-agent's (`codex_role`).
 - Any harness: the first system prompt an execution sends is its main one; a call with another
   system prompt is a sub-agent; a call whose last user turn asks for a conversation summary is a
-  summary of the branch it would otherwise belong to.
+  summary of the branch it would otherwise belong to. A summary request with a system prompt of its
+  own is `unknown`: a harness may compact its main conversation with a summariser prompt as well as
+  a sub-agent's, so the record's tree decides whose history it summarises (docs/trajectory.md).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def classify_role(
     else:
         fingerprint = system_fingerprint(prompt)
         sub_agent = main_fingerprint is not None and fingerprint != main_fingerprint
+        if sub_agent and summary:
+            return "unknown"  # main's or a sub-agent's compaction with its own prompt: the tree decides
     base = "sub-agent" if sub_agent else "main"
     return f"{base}-summary" if summary else base
 

@@ -69,7 +69,7 @@ def _layout(nodes: list[Node]) -> tuple[dict[int, int], list[Node]]:
 def _weights(path_columns: list[list[int]], scheme: str) -> list[list[float]]:
     if scheme == "per_path":
         live = [cols for cols in path_columns if cols]
-        return [[1.0 / (len(cols) * len(live))] * len(cols) for cols in path_columns]
+        return [[1.0 / (len(cols) * len(live))] * len(cols) if cols else [] for cols in path_columns]
     if scheme != "count_once":
         raise ValueError(f"weights must be 'count_once' or 'per_path', got {scheme!r}")
     uses: dict[int, int] = {}

@@ -1,9 +1,10 @@
 """Root-to-leaf paths of a call tree, their roles, and the budgeted selection of which to train on.
 
 A path's role is the highest-priority role among the calls that end on it
-(main > main-summary > sub-agent > sub-agent-summary). The *main path* (the one holding the last
-main call to finish) is always kept; the other paths follow by role priority, then by the
-configured tie-break, until `budget` paths are chosen.
+(main > main-summary > sub-agent > sub-agent-summary). Only paths with loss tokens (something the
+model generated) are candidates, unless none has any. The *main path* (the candidate holding the
+last main call to finish) is always kept; the other candidates follow by role priority, then by
+the configured tie-break, until `budget` paths are chosen.
 """
 
 from __future__ import annotations
@@ -62,11 +63,12 @@ def tree_paths(tree: CallTree, roles: list[str]) -> list[TreePath]:
 
 
 def main_path(paths: list[TreePath], tree: CallTree, roles: list[str]) -> TreePath:
-    """The path holding the main agent's last call (by end time); if no call is `main`, the best-role,
-    latest-ending path."""
+    """The path of `paths` holding the main agent's last call (by end time) among those on `paths`;
+    if none is `main`, the best-role, latest-ending path."""
     if not paths:
         raise ValueError("an execution without calls has no main path")
-    mains = [c for c, r in enumerate(roles) if r == "main"]
+    on_paths = {c for p in paths for c in p.calls}
+    mains = [c for c, r in enumerate(roles) if r == "main" and c in on_paths]
     if mains:
         last = max(mains, key=lambda c: (tree.calls[c].t_end, tree.calls[c].t_start, c))
         return next(p for p in paths if last in p.calls)
@@ -86,16 +88,22 @@ def _tie_key(path: TreePath, tie_break: str) -> tuple:
 def select_paths(
     paths: list[TreePath], tree: CallTree, roles: list[str], budget: int = 5, tie_break: str = "longest"
 ) -> list[TreePath]:
-    """At most `budget` paths: the main path first, then by role priority and `tie_break`."""
+    """At most `budget` paths: the main path first, then by role priority and `tie_break`.
+
+    A path without loss tokens (say, the main agent's last call, cut off at the timeout before it
+    generated anything, on a path of its own) trains nothing, so it takes no place while any path
+    has loss tokens.
+    """
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     if tie_break not in TIE_BREAKS:
         raise ValueError(f"tie_break must be one of {', '.join(TIE_BREAKS)}, got {tie_break!r}")
     if not paths:
         return []
-    first = main_path(paths, tree, roles)
+    candidates = [p for p in paths if p.num_loss_tokens > 0] or paths
+    first = main_path(candidates, tree, roles)
     rest = sorted(
-        (p for p in paths if p is not first),
+        (p for p in candidates if p is not first),
         key=lambda p: (ROLE_PRIORITY.get(p.role, len(ROLE_PRIORITY)), *_tie_key(p, tie_break)),
     )
     return [first, *rest[: budget - 1]]

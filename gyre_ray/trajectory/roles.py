@@ -13,7 +13,9 @@ Rules, in order (documented in docs/trajectory.md):
    with their neighbours; or its decoded text) appears inside the new prompt. A call that no later
    call continues and whose output seeds a later thread is a summary (a compaction), unless the
    new prompt holds that output right after the end of the call's own prompt (then the new prompt
-   re-renders the history, as a compaction request with its own system prompt does).
+   re-renders the history, as a compaction request with its own system prompt does), or unless
+   that output was handed back into a running conversation (it appears in what a continuing call
+   appends to its parent's prompt: a sub-agent's answer returned as a tool result).
 4. **Thread roles.** Records with a known role vote for their thread. Otherwise the thread of the
    execution's first call is `main`, and so is a thread opening with that call's whole prompt (a
    restart); a thread seeded by a summary, or itself a summary of an
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
+from collections.abc import Callable
 
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.trajectory.records import CallRecord
@@ -84,6 +87,7 @@ class _SeedFinder:
 
     def __init__(self, tree: CallTree, min_tokens: int, decode: Decode | None) -> None:
         self.calls, self.min_tokens, self.decode = tree.calls, min_tokens, decode
+        self.parents = tree.continues
         self._bytes: dict[int, bytes] = {}
         self._text: dict[int, str] = {}
 
@@ -112,18 +116,38 @@ class _SeedFinder:
                 found.append(c)
         return found
 
+    def returned(self, c: int, continuations: list[int]) -> bool:
+        """Was call c's output handed back into a running conversation, i.e. does it appear in the
+        part that one of `continuations` (calls continuing an earlier call) appends to its parent's
+        prompt? A sub-agent's answer comes back to its caller that way, as a tool result; a
+        compaction summary opens a new conversation instead."""
+        out = self.calls[c].output_ids
+        for j in continuations:
+            if j <= c:
+                continue
+            appended = self.calls[j].input_ids[len(self.calls[self.parents[j]].input_ids) :]
+            if self._appears_in(out, _as_bytes(appended), lambda ids=appended: self._text_of(ids)):
+                return True
+        return False
+
+    def _text_of(self, ids: list[int]) -> str:
+        return self.decode(ids) if self.decode else ""
+
     def _appears(self, out: list[int], h: int) -> bool:
+        return self._appears_in(out, self._prompt_bytes(h), lambda: self._prompt_text(h))
+
+    def _appears_in(self, out: list[int], haystack: bytes, text: Callable[[], str]) -> bool:
         if len(out) < self.min_tokens:
             return False
         # Whole output, or without its first and last token (a stop token, or tokens merged with
         # their neighbours when the harness re-encoded the text).
         needles = [out] + ([out[1:-1]] if len(out) - 2 >= self.min_tokens else [])
-        if any(_contains(self._prompt_bytes(h), _as_bytes(n)) for n in needles):
+        if any(_contains(haystack, _as_bytes(n)) for n in needles):
             return True
         if self.decode is None:
             return False
-        text = self._prompt_text(h)
-        return any(piece and piece in text for piece in (self.decode(n).strip() for n in needles))
+        found = text()
+        return any(piece and piece in found for piece in (self.decode(n).strip() for n in needles))
 
 
 def classify_roles(
@@ -158,6 +182,9 @@ def classify_roles(
     heads = [i for i in range(n) if thread[i] == i]
     finder = _SeedFinder(tree, cfg.min_seed_tokens, decode)
     sources = {h: finder.summaries(h, [c for c in range(h) if c not in continued]) for h in heads[1:]}
+    continuations = [i for i in range(n) if tree.continues[i] is not None]
+    handed_back = {c for found in sources.values() for c in found if finder.returned(c, continuations)}
+    sources = {h: [c for c in found if c not in handed_back] for h, found in sources.items()}
     for found in sources.values():
         for c in found:
             is_summary[c] = is_summary[c] or roles[c] == "unknown"
