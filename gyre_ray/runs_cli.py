@@ -13,6 +13,9 @@ to do next where there is something to do. The status is read from what the job 
   `gyre_ray.live_run.driver_state`: `running`, `gone` (a driver of this host no longer runs: attach,
   or resume if the cluster went too) or `elsewhere`;
 - `stopped`: none of these (the driver was killed outright, or the machine went down).
+A file whose JSON holds what the job never writes (a metrics row whose `reward_mean` is no number, a
+summary whose `costs` is no object, ...) is read like a torn one: rows up to it count, its summary is
+no proof the run ended, and its note joins the run's error; one such folder never hides the others.
 Warm-up caches (`warmup.json`) and folders without `config.json` are not runs and are left out.
 `--json` prints the same as one JSON list.
 """
@@ -65,51 +68,145 @@ def list_runs(root: Path) -> list[dict[str, Any]]:
         if p.is_dir() and (p / "config.json").is_file() and not (p / "warmup.json").exists()
     ]
     folders.sort(key=lambda p: (p / "config.json").stat().st_mtime, reverse=True)
-    return [describe_run(p) for p in folders]
+    return [_describe_or_note(p) for p in folders]
 
 
-def describe_run(folder: Path) -> dict[str, Any]:
-    """One run folder's status, progress, reward, makespan, newest checkpoint and next step."""
+def _describe_or_note(folder: Path) -> dict[str, Any]:
+    """`describe_run`, or, where the folder cannot be read at all, a stopped run that says why: one bad
+    folder must not hide the others."""
     try:
-        steps_configured = int(json.loads((folder / "config.json").read_text())["run"]["steps"])
-    except (ValueError, KeyError, TypeError):
-        steps_configured = None
-    logged = [row for row in json_lines(folder / "metrics.jsonl") if "reward_mean" in row]
-    # a step that scored no execution logs reward_mean null: logged, but no reward to average
-    rewards = [float(row["reward_mean"]) for row in logged if row["reward_mean"] is not None]
-    run: dict[str, Any] = {
+        return describe_run(folder)
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        run = _blank_run(folder)
+        run["error"] = f"the run folder could not be read: {type(exc).__name__}: {exc}"[:300]
+        run["next"] = _next_step(run)
+        return run
+
+
+def _blank_run(folder: Path) -> dict[str, Any]:
+    return {
         "folder": str(folder),
         "name": folder.name,
         "status": "stopped",
         "error": None,
-        "steps_logged": len(logged),
-        "steps_configured": steps_configured,
-        "reward_first": _mean(rewards[:FIRST_LAST]),
-        "reward_last": _mean(rewards[-FIRST_LAST:]),
+        "steps_logged": 0,
+        "steps_configured": None,
+        "reward_first": None,
+        "reward_last": None,
         "makespan_s": None,
         "checkpoint_step": None,
         "driver": None,
     }
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _steps_configured(folder: Path) -> int | None:
+    try:
+        steps = json.loads((folder / "config.json").read_text())["run"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return steps if _is_int(steps) and steps >= 0 else None
+
+
+def _rewards(path: Path, notes: list[str]) -> tuple[int, list[float]]:
+    """Steps logged and their rewards, up to a torn line or a row the job never writes (noted)."""
+    logged, rewards = 0, []
+    try:
+        for number, row in enumerate(json_lines(path), 1):
+            if not isinstance(row, dict):
+                notes.append(f"{path.name} line {number} is not a JSON object")
+                break
+            if "reward_mean" not in row:
+                continue
+            value = row["reward_mean"]
+            # a step that scored no execution logs reward_mean null: logged, but no reward to average
+            if value is not None and not _is_number(value):
+                notes.append(f"{path.name} line {number}: reward_mean {_short(value)} is not a number")
+                break
+            logged += 1
+            if value is not None:
+                rewards.append(float(value))
+    except (OSError, ValueError) as exc:  # not text (UnicodeDecodeError), not a file
+        notes.append(f"{path.name} could not be read: {type(exc).__name__}")
+    return logged, rewards
+
+
+def _checkpoint_step(folder: Path, notes: list[str]) -> int | None:
     checkpoints = complete_checkpoints(folder)
-    if checkpoints:
-        run["checkpoint_step"] = int(load_state(checkpoints[-1]).get("step", 0))
+    if not checkpoints:
+        return None
+    try:
+        step = load_state(checkpoints[-1]).get("step", 0)
+    except (OSError, ValueError, AttributeError):
+        step = None
+    if not _is_int(step):
+        notes.append(f"{checkpoints[-1].name}: its state.json holds no step number")
+        return None
+    return step
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def describe_run(folder: Path) -> dict[str, Any]:
+    """One run folder's status, progress, reward, makespan, newest checkpoint and next step."""
+    notes: list[str] = []  # files holding what the job never writes: read like torn ones
+    logged, rewards = _rewards(folder / "metrics.jsonl", notes)
+    run = _blank_run(folder)
+    run.update(
+        steps_logged=logged,
+        steps_configured=_steps_configured(folder),
+        reward_first=_mean(rewards[:FIRST_LAST]),
+        reward_last=_mean(rewards[-FIRST_LAST:]),
+        checkpoint_step=_checkpoint_step(folder, notes),
+    )
     summary = json_object(folder / "summary.json", {}) if (folder / "summary.json").is_file() else None
     if summary:
-        run["makespan_s"] = (summary.get("costs") or {}).get("makespan_s")
+        costs = summary.get("costs")
+        makespan = costs.get("makespan_s") if isinstance(costs, dict) else None
+        if costs is not None and not isinstance(costs, dict):
+            notes.append(f"summary.json: costs {_short(costs)} is not an object")
+        elif makespan is not None and not _is_number(makespan):
+            notes.append(f"summary.json: costs.makespan_s {_short(makespan)} is not a number")
+        else:
+            run["makespan_s"] = makespan
+    errors = []
     # failed.json first: a run that ended with no execution scored, or a resumed segment that failed
     # after an earlier one wrote summary.json, has both
     if (folder / FAILED_FILE).is_file():
         run["status"] = "failed"
-        run["error"] = json_object(folder / FAILED_FILE, {}).get("error")
+        error = json_object(folder / FAILED_FILE, {}).get("error")
+        if error is not None and not isinstance(error, str):
+            notes.append(f"{FAILED_FILE}: error {_short(error)} is not text")
+        elif error:
+            errors.append(error)
     elif (folder / LIVE_FILE).is_file():
         run["status"] = "live"
-        run["driver"] = driver_state(json_object(folder / LIVE_FILE, {}).get("driver"))
-    elif summary:
+        run["driver"] = driver_state(_driver(json_object(folder / LIVE_FILE, {}).get("driver"), notes))
+    elif summary and not notes:
         run["status"] = "done"
-    elif summary is not None:  # the job was killed while writing its last file: the run did not end
-        run["error"] = "summary.json is empty or cut off (the job was killed while writing it)"
+    elif summary is not None and not summary:  # the job was killed while writing its last file
+        errors.append("summary.json is empty or cut off (the job was killed while writing it)")
+    run["error"] = "; ".join(errors + notes) or None
     run["next"] = _next_step(run)
     return run
+
+
+def _driver(driver: Any, notes: list[str]) -> Any:
+    """live-run.json's driver as `driver_state` reads it: a pid that is no number is noted, not looked up."""
+    if isinstance(driver, dict) and "pid" in driver and not _is_int(driver["pid"]):
+        notes.append(f"{LIVE_FILE}: driver pid {_short(driver['pid'])} is not a number")
+        return None
+    return driver
 
 
 def _next_step(run: dict[str, Any]) -> str:

@@ -173,3 +173,26 @@ def test_a_task_without_an_evaluator_is_scored_by_its_hidden_tests(exec_tmp: Pat
     no_tests = _write(exec_tmp / "bare.jsonl", '{"id": "b", "prompt": "p"}\n')
     with pytest.raises(TaskFileError, match="needs hidden tests"):
         load_task_file(no_tests)
+
+
+def test_the_job_never_writes_through_a_link_the_evaluated_code_planted(exec_tmp: Path) -> None:
+    """The evaluator's scratch folder is the execution's: code pytest imports on a first try swaps
+    pytest.ini for a link to a file of the job's and fails; the retry must not write through it."""
+    victim = _write(exec_tmp / "victim.txt", "the job's own file\n")
+    victim.chmod(0o600)
+    (exec_tmp / "hidden").mkdir()
+    (exec_tmp / "hidden/test_evil.py").write_text("import evil\n\ndef test_ok():\n    assert evil.ok\n")
+    evil = (
+        "import os, sys\n"
+        "ini = sys.argv[sys.argv.index('-c') + 1]\n"
+        "if not os.path.exists(ini + '.planted'):\n"
+        "    open(ini + '.planted', 'w').close()\n"
+        f"    os.unlink(ini); os.symlink({str(victim)!r}, ini); os._exit(3)\n"
+        "ok = True\n"
+    )
+    agent = f"import os; os.makedirs('evil'); open('evil/__init__.py', 'w').write({evil!r})"
+    tasks = [{"id": "evil", "prompt": "x", "hidden": "hidden", "evaluator": {"timeout_s": 30}}]
+    (task,) = load_task_file(_write(exec_tmp / "set.yaml", json.dumps({"tasks": tasks})))
+    out = _run(task, exec_tmp, agent, "s0-evil-0", timeout_s=30, eval_budget_s=20)
+    assert victim.read_text() == "the job's own file\n" and victim.stat().st_mode & 0o777 == 0o600
+    assert out.valid and out.reward == 1.0 and "after 2 evaluator tries" in out.detail

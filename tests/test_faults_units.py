@@ -209,7 +209,8 @@ def test_a_durable_store_started_again_on_its_folder_has_every_record_key_and_sp
 
     again = TrajectoryStore(tmp_path, durable=True, fsync=False, restore=True)
     assert again.execution_for_key(a["api_key"]) == "exec-a"
-    assert again.execution_for_key(b["api_key"]) == "exec-b"
+    assert again.execution_for_key(b["api_key"]) is None  # finished: its key stays revoked
+    assert again.finished_execution_for_key(b["api_key"]) == "exec-b"
     assert again.execution_for_key("gyre-nope") is None
     again.add_many(batch[1:3] + [(_store_record("exec-a", 3), None)])  # Ray's retry of a half-applied batch
     assert [r.call_id for r in again.records("exec-a")] == [f"call-{i}" for i in range(4)]

@@ -38,7 +38,7 @@ def _text(rng: random.Random, n: int) -> str:
 
 # ---- segment cache ----------------------------------------------------------------------------------
 def test_cached_prompt_ids_equal_a_fresh_encode_and_the_cache_stays_bounded():
-    codec = ChatCodec(CODEC.tokenizer, CODEC.context_length, segment_cache_chars=3000)
+    codec = ChatCodec(CODEC.tokenizer, CODEC.context_length, segment_cache_ids=800)
     rng = random.Random(7)
     system = {"role": "system", "content": _text(rng, 300)}
     history: list[dict] = [system]
@@ -49,7 +49,7 @@ def test_cached_prompt_ids_equal_a_fresh_encode_and_the_cache_stays_bounded():
         expected = encode_chat(codec.tokenizer, prompt.messages, None, True, splice)
         assert codec.prompt_ids(prompt, splice) == expected
         assert codec.prompt_ids(prompt, splice) == expected  # all hits now
-        assert codec.segments.chars <= 3000
+        assert 0 < codec.segments.ids <= 800
         history.append({"role": "assistant", "content": _text(rng, rng.randint(1, 40))})
     assert codec.segments.hits > codec.segments.misses
 

@@ -173,3 +173,69 @@ def test_failed_json_wins_over_a_summary(tmp_path: Path) -> None:
     (run,) = list_runs(tmp_path)
     assert run["status"] == "failed" and run["error"].endswith("no execution was scored")
     assert run["next"].startswith("fix the harness")
+
+
+ODD_FILES = {  # valid JSON (or bytes) the job never writes: each crashed `gyre-ray runs` with a traceback
+    "metrics-text-reward": (
+        "metrics.jsonl",
+        '{"reward_mean": 0.5}\n{"reward_mean": "x"}\n',
+        "line 2: reward_mean",
+    ),
+    "metrics-bool-reward": ("metrics.jsonl", '{"reward_mean": true}\n', "line 1: reward_mean true is not"),
+    "metrics-number-row": ("metrics.jsonl", "5\n", "metrics.jsonl line 1 is not a JSON object"),
+    "metrics-not-utf8": ("metrics.jsonl", b"\xff\xfe\n", "metrics.jsonl could not be read"),
+    "summary-costs-list": ("summary.json", '{"costs": [1]}', "summary.json: costs [1] is not an object"),
+    "summary-makespan-text": (
+        "summary.json",
+        '{"costs": {"makespan_s": "x"}}',
+        'makespan_s "x" is not a number',
+    ),
+    "config-huge-steps": ("config.json", '{"run": {"steps": 1e400}}', None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_FILES))
+def test_a_file_with_odd_content_makes_its_run_stopped_with_a_note_and_hides_no_other_run(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture
+) -> None:
+    good = make_run(tmp_path, "good", 2, [0.25, 0.75], 100.0)
+    (good / "summary.json").write_text(json.dumps({"costs": {"makespan_s": 3.0}}))
+    odd = make_run(tmp_path, "odd", 2, [0.5], 200.0)
+    (odd / "summary.json").write_text(json.dumps({"costs": {"makespan_s": 9.0}}))  # would be `done`
+    name, content, note = ODD_FILES[case]
+    target = odd / name
+    target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+    os.utime(odd / "config.json", (200.0, 200.0))
+    runs = {run["name"]: run for run in list_runs(tmp_path)}
+    assert runs["good"]["status"] == "done" and runs["good"]["reward_last"] == 0.5
+    if note is None:  # an odd config.json only loses the configured step count
+        assert runs["odd"]["status"] == "done" and runs["odd"]["steps_configured"] is None
+    else:
+        assert runs["odd"]["status"] == "stopped" and note in runs["odd"]["error"]
+    assert main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "good " in out and "odd " in out and (note is None or f"odd: {runs['odd']['error']}" in out)
+    assert main(["runs", str(tmp_path), "--json"]) == 0
+    assert {run["name"] for run in json.loads(capsys.readouterr().out)} == {"good", "odd"}
+
+
+def test_odd_failed_live_and_checkpoint_files_are_noted_not_fatal(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    failed = make_run(tmp_path, "failed", 2, [], 100.0)
+    (failed / "failed.json").write_text(json.dumps({"error": 5}))
+    live = make_run(tmp_path, "live", 2, [], 200.0)
+    driver = {"pid": "1\u0000", "host": socket.gethostname()}  # once an embedded-null ValueError
+    (live / "live-run.json").write_text(json.dumps({"driver": driver}))
+    ckpt = make_run(tmp_path, "ckpt", 2, [0.5], 300.0, checkpoint=1)
+    (ckpt / CHECKPOINTS / checkpoint_name(1) / STATE_FILE).write_text(json.dumps({"step": "x"}))
+    runs = {run["name"]: run for run in list_runs(tmp_path)}
+    assert (
+        runs["failed"]["status"] == "failed" and runs["failed"]["error"] == "failed.json: error 5 is not text"
+    )
+    assert runs["live"]["status"] == "live" and runs["live"]["driver"] == "elsewhere"
+    assert "live-run.json: driver pid" in runs["live"]["error"]
+    assert runs["ckpt"]["status"] == "stopped" and runs["ckpt"]["checkpoint_step"] is None
+    assert "state.json holds no step number" in runs["ckpt"]["error"]
+    assert main(["runs", str(tmp_path)]) == 0
+    assert "failed: failed.json: error 5 is not text" in capsys.readouterr().out

@@ -21,7 +21,7 @@ class AgentSection(Section):
     command: list[str] | None = Field(
         None,
         description="harness=command: the argv template; items may hold {prompt}, {workspace}, {home}, "
-        "{openai_base_url}, {anthropic_base_url}.",
+        "{openai_base_url}, {anthropic_base_url} (bare names only; {{ and }} for literal braces).",
     )
     harness_args: list[str] = Field(
         default_factory=list,
@@ -79,6 +79,13 @@ class AgentSection(Section):
         description="top_p of each toy-harness model call (below 1 the rare tokens a warmed-up policy would "
         "break its tool-call format with are never sampled).",
     )
+
+    @field_validator("command")
+    @classmethod
+    def _command_template(cls, value: list[str] | None) -> list[str] | None:
+        from gyre_ray.agents.harnesses import check_command_template
+
+        return None if value is None else check_command_template(value)
 
     @field_validator("task_set")
     @classmethod

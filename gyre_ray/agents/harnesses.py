@@ -6,7 +6,9 @@
   where it cannot (no root to create users) and the job is root, `IS_SANDBOX=1` is set instead.
 - `codex`: `codex exec` against the proxy's Responses API, its provider written to `$HOME/.codex/config.toml`.
 - `command`: any agent CLI from `agents.command`, a list whose items may hold `{prompt}`,
-  `{workspace}`, `{home}`, `{openai_base_url}`, `{anthropic_base_url}`; the key is in its env.
+  `{workspace}`, `{home}`, `{openai_base_url}`, `{anthropic_base_url}` (bare: no attribute, index,
+  conversion or format spec; `{{`/`}}` for a literal brace), checked when the config is loaded
+  (`check_command_template`); the key is in its env.
 
 Claude Code and Codex are found at `CLAUDE_CODE_BIN` / `CODEX_BIN`, else in the repo's `.cache/`
 (where `make install-harnesses` puts the pinned versions), else on PATH.
@@ -20,9 +22,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_ray.envs.taskfile import template_problem
+
 HARNESSES = ("toy", "claude-code", "codex", "command")
 REPO = Path(__file__).resolve().parents[2]
 KEY_VAR = "GYRE_API_KEY"
+# the names `agents.command` items may hold: the keys of `command_values`, which formats them
+COMMAND_PLACEHOLDERS = ("prompt", "workspace", "home", "openai_base_url", "anthropic_base_url")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,28 @@ def codex_config(openai_base_url: str) -> str:
     )
 
 
+def command_values(
+    prompt: str, workspace: Path, home: Path, openai_url: str, anthropic_url: str
+) -> dict[str, str]:
+    """What each `agents.command` placeholder becomes (its keys are `COMMAND_PLACEHOLDERS`)."""
+    return {
+        "prompt": prompt,
+        "workspace": str(workspace),
+        "home": str(home),
+        "openai_base_url": openai_url,
+        "anthropic_base_url": anthropic_url,
+    }
+
+
+def check_command_template(template: list[str]) -> list[str]:
+    """`template` if its placeholders are all known and bare; ValueError naming the bad one otherwise
+    (said when the config is loaded, not as a KeyError in every execution)."""
+    problem = template_problem(template, COMMAND_PLACEHOLDERS)
+    if problem:
+        raise ValueError(f"agents.command {problem}")
+    return template
+
+
 def build_harness(
     harness: str,
     prompt: str,
@@ -102,12 +130,6 @@ def build_harness(
     if harness == "command":
         if not template:
             raise ValueError("agents.harness=command needs agents.command (a list of arguments)")
-        values = {
-            "prompt": prompt,
-            "workspace": str(workspace),
-            "home": str(home),
-            "openai_base_url": openai_url,
-            "anthropic_base_url": anthropic_url,
-        }
-        return HarnessSpec([part.format_map(values) for part in template])
+        values = command_values(prompt, workspace, home, openai_url, anthropic_url)
+        return HarnessSpec([part.format_map(values) for part in check_command_template(template)])
     raise ValueError(f"unknown harness {harness!r}; known: {', '.join(HARNESSES)}")

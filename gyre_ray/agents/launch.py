@@ -19,7 +19,13 @@ from typing import Any
 from gyre_ray.agents.config import AgentSection
 from gyre_ray.agents.harnesses import build_harness
 from gyre_ray.agents.runner import Endpoint, ExecutionOutcome, run_execution
-from gyre_ray.agents.sandbox import Limits, can_create_users, protect_job_folders
+from gyre_ray.agents.sandbox import (
+    Limits,
+    can_create_users,
+    close_hidden_tests,
+    protect_job_folders,
+    protect_ray_credentials,
+)
 from gyre_ray.envs.base import Task, get_task_set
 
 
@@ -74,6 +80,11 @@ def run_planned_execution(
         path = Path(workspace)
         if cfg.isolation != "none":
             protect_job_folders(path.parent)
+            protect_ray_credentials()
+            if cfg.isolation == "user" or can_create_users():  # a uid per execution: close every task's tests
+                close_hidden_tests(
+                    [h for t in get_task_set(task_set) if (h := getattr(t.evaluate, "hidden", None))]
+                )
         home = path.parent / f"{path.name}.home"
         spec = build_harness(
             cfg.harness, task.prompt, base_url=endpoint.base_url, workspace=path, home=home,

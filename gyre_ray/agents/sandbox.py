@@ -194,22 +194,31 @@ def reclaim(identity: Identity) -> None:
         identity.release()
 
 
-def _remove_scratch(uid: int) -> None:
-    for scratch in SCRATCH_DIRS:
-        try:
-            entries = list(os.scandir(scratch))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
+def _remove_scratch(uid: int, roots: tuple[str, ...] = SCRATCH_DIRS) -> None:
+    """Remove whatever `uid` owns anywhere under the shared scratch folders, at any depth (a file the
+    execution left in a world-writable folder such as /tmp/ray/ would reach the slot's next holder).
+    Links are removed, never followed; folders we cannot list are skipped."""
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            for name in list(dirnames):
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_uid != uid:
+                        continue
+                    dirnames.remove(name)
+                    if os.path.islink(path):
+                        os.unlink(path)
+                    else:
+                        shutil.rmtree(path, ignore_errors=True)
+                except OSError:
                     continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                continue
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                try:
+                    if os.lstat(path).st_uid == uid:
+                        os.unlink(path)
+                except OSError:
+                    continue
 
 
 def harness_env(
@@ -320,6 +329,37 @@ def make_private(path: Path) -> None:
     st = path.stat()
     if st.st_uid == os.geteuid() and st.st_mode & 0o077:
         os.chmod(path, st.st_mode & 0o7700)
+
+
+def close_hidden_tests(hidden: list[Path]) -> list[Path]:
+    """Close every task's hidden tests to the sandbox users (not only the running task's), and the git
+    repository they sit in, whose objects hold them too; returns the repositories closed."""
+    closed = []
+    for path in hidden:
+        make_private(path)
+        for parent in path.resolve().parents:
+            git = parent / ".git"
+            if git.is_dir():
+                st = git.stat()
+                if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                    make_private(git)
+                    closed.append(git)
+                break
+    return closed
+
+
+def protect_ray_credentials(home: Path | None = None) -> None:
+    """Ray's token (`~/.ray/auth_token`, or `RAY_AUTH_TOKEN_PATH`) opens the whole cluster to whoever
+    reads it; Ray leaves it readable by all (0644). Close it, and `~/.ray`, to the job's uid."""
+    home = home or Path.home()
+    candidates = [Path(os.environ["RAY_AUTH_TOKEN_PATH"])] if os.environ.get("RAY_AUTH_TOKEN_PATH") else []
+    candidates += [home / ".ray" / "auth_token", home / ".ray"]
+    for path in candidates:
+        try:
+            if not path.is_symlink() and path.exists():
+                make_private(path)
+        except OSError:
+            continue
 
 
 def protect_job_folders(workspaces: Path, private: tuple[str, ...] = ("records",)) -> None:

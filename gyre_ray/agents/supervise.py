@@ -80,7 +80,9 @@ def supervise(
     timed_out, limit = False, ""
     grant_runtime(identity, command)
     user = {"user": identity.uid, "group": identity.gid, "extra_groups": []} if identity.dedicated else {}
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the job's, not theirs
+    log_fd = os.open(
+        log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
+    )  # the job's, not theirs
     with os.fdopen(log_fd, "ab") as log:
         proc = subprocess.Popen(
             limited_command(command, limits, identity.dedicated),

@@ -1,7 +1,7 @@
 """Task sets from files (`agents.task_set=PATH`): JSONL (one task per line) or YAML (a list, or a
 mapping with `tasks:`). Relative paths are read from the task file's folder. Fields of a task:
 
-    id: slugify                    # required, unique
+    id: slugify                    # required, unique; A-Za-z0-9_.- only, at most 96 characters
     prompt: "Build ..."            # or prompt_file: spec.md (one of the two)
     files: {README.md: "..."}      # seed files written into the workspace
     seed_dir: seeds/slugify        # a folder copied into the workspace
@@ -37,11 +37,14 @@ from typing import Any
 import yaml
 
 from gyre_ray.envs.base import EvalContext, EvalResult, Task
+from gyre_ray.envs.untrusted import UntrustedFileError, read_untrusted, write_fresh
 
 SCORES = ("pytest", "json", "exit-code")
 TASK_KEYS = {"id", "prompt", "prompt_file", "files", "seed_dir", "git", "git_rev", "hidden", "time_limit_s"}
 TASK_KEYS |= {"evaluator"}
 EVAL_KEYS = {"score", "command", "timeout_s", "test_timeout_s"}
+MAX_REPORT_BYTES = 64 << 20  # a JUnit report of tens of thousands of tests; the rest is not read
+LOG_TAIL_BYTES = 65536
 
 
 class TaskFileError(ValueError):
@@ -51,7 +54,7 @@ class TaskFileError(ValueError):
 def pytest_junit_share(report: Path) -> EvalResult:
     """Share of test cases in a JUnit XML report that passed (failures, errors, skips do not)."""
     try:
-        root = ET.parse(report).getroot()
+        root = ET.fromstring(read_untrusted(report, MAX_REPORT_BYTES))
     except (OSError, ET.ParseError) as exc:
         return EvalResult(0.0, valid=False, detail=f"no readable pytest report: {exc}")
     cases = list(root.iter("testcase"))
@@ -97,7 +100,7 @@ class CommandEvaluator:
                 "python": sys.executable,
             }
             return [part.format_map(values) for part in self.command]
-        (scratch / "pytest.ini").write_text(f"[pytest]\npythonpath = {workspace}\n")
+        write_fresh(scratch / "pytest.ini", f"[pytest]\npythonpath = {workspace}\n")  # a folder the uid owns
         cmd = [sys.executable, "-I", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest"]
         cmd += ["-c", str(scratch / "pytest.ini"), "--rootdir", str(scratch)]
         cmd += ["--junitxml", str(scratch / "report.xml")]
@@ -107,9 +110,12 @@ class CommandEvaluator:
 
     def __call__(self, workspace: Path, ctx: EvalContext) -> EvalResult:
         scratch = ctx.scratch
-        for stale in ("hidden", "report.xml", "evaluator.log"):
+        for stale in ("hidden", "report.xml", "evaluator.log", "pytest.ini"):  # never through a link
             target = scratch / stale
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
         if self.hidden is not None:  # the source may be closed to the sandbox (make_private): open the copy
             shutil.copytree(self.hidden, scratch / "hidden")
             for dirpath, _dirs, filenames in os.walk(scratch / "hidden"):
@@ -120,8 +126,13 @@ class CommandEvaluator:
         if finished.timed_out or finished.limit:
             why = "timed out" if finished.timed_out else f"passed its {finished.limit}"
             return EvalResult(0.0, valid=False, detail=f"evaluator {why}")
-        log = scratch / "evaluator.log"
-        output = log.read_bytes()[-65536:].decode(errors="replace") if log.exists() else ""
+        try:
+            tail = read_untrusted(scratch / "evaluator.log", LOG_TAIL_BYTES, tail=True)
+            output = tail.decode(errors="replace")
+        except FileNotFoundError:
+            output = ""
+        except UntrustedFileError as exc:
+            return EvalResult(0.0, valid=False, detail=f"evaluator log: {exc}")
         if self.score == "pytest":
             return pytest_junit_share(scratch / "report.xml")
         if self.score == "json":
@@ -139,6 +150,51 @@ def _path(base: Path, value: Any, where: str) -> Path:
     return path
 
 
+# Execution ids are f"s{step}-{id}-{g}" (`gyre_ray.agents.launch.plan_step`) and f"eval{step}-{id}-{i}"
+# (`gyre_ray.evaluation.plan_round`); the record store takes [A-Za-z0-9_.-], at most 128 characters
+# (`gyre_ray.proxy.store.EXECUTION_ID`). 32 of them are left to the wrapper: a 12-digit step and a
+# 12-digit index still fit.
+EXECUTION_ID_MAX = 128
+TASK_ID_MAX = EXECUTION_ID_MAX - 32
+TASK_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+EVAL_PLACEHOLDERS = ("workspace", "hidden", "scratch", "report", "python")  # CommandEvaluator._command
+
+
+def _check_task_id(task_id: Any, where: str) -> str:
+    if not isinstance(task_id, str) or not task_id:
+        raise TaskFileError(f"{where}: id must be a non-empty string")
+    bad = sorted(set(task_id) - TASK_ID_CHARS)
+    if bad or len(task_id) > TASK_ID_MAX:
+        why = f"holds {''.join(bad)!r}" if bad else f"has {len(task_id)} characters"
+        raise TaskFileError(
+            f"{where}: id {task_id[: TASK_ID_MAX + 8]!r} {why}; an id may hold only letters, digits, "
+            f"'_', '.' and '-' (A-Za-z0-9_.-), at most {TASK_ID_MAX} characters"
+        )
+    return task_id
+
+
+def template_problem(items: list[str], allowed: tuple[str, ...]) -> str | None:
+    """What is wrong with an argv template formatted with `str.format_map` over `allowed` names: an
+    unknown name, attribute or index access, a conversion or format spec, a lone brace; None if fine."""
+    from string import Formatter
+
+    names = ", ".join("{" + name + "}" for name in allowed)
+    for index, item in enumerate(items):
+        try:
+            fields = [(f, c, s) for _, f, s, c in Formatter().parse(item) if f is not None]
+        except ValueError as exc:
+            return f"item {index} {item!r}: {exc} (write a literal brace doubled: {{{{ or }}}})"
+        for name, conversion, spec in fields:
+            shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            if name not in allowed or conversion or spec:
+                return (
+                    f"item {index} {item!r}: placeholder {shown} is not allowed; the allowed ones are "
+                    f"{names}, each bare (no attribute, index, !conversion or :format), and "
+                    "{{ or }} for a literal brace"
+                )
+    return None
+
+
 def parse_task(raw: Any, base: Path, where: str) -> Task:
     """One task from its mapping (`base`: the task file's folder)."""
     if not isinstance(raw, dict):
@@ -146,9 +202,7 @@ def parse_task(raw: Any, base: Path, where: str) -> Task:
     unknown = set(raw) - TASK_KEYS
     if unknown:
         raise TaskFileError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(TASK_KEYS)}")
-    task_id = raw.get("id")
-    if not isinstance(task_id, str) or not task_id or "/" in task_id:
-        raise TaskFileError(f"{where}: id must be a non-empty string without '/'")
+    task_id = _check_task_id(raw.get("id"), where)
     where = f"{where} ({task_id})"
     if ("prompt" in raw) == ("prompt_file" in raw):
         raise TaskFileError(f"{where}: give exactly one of prompt and prompt_file")
@@ -171,6 +225,9 @@ def parse_task(raw: Any, base: Path, where: str) -> Task:
         not isinstance(command, list) or not all(isinstance(c, str) for c in command)
     ):
         raise TaskFileError(f"{where}: evaluator.command must be a list of strings")
+    problem = template_problem(command, EVAL_PLACEHOLDERS) if command is not None else None
+    if problem:
+        raise TaskFileError(f"{where}: evaluator.command {problem}")
     if command is None and score != "pytest":
         raise TaskFileError(f"{where}: evaluator.command is required for score {score!r}")
     hidden = _path(base, raw["hidden"], f"{where}: hidden") if "hidden" in raw else None

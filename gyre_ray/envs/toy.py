@@ -11,18 +11,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from gyre_ray.envs.base import EvalResult, Evaluator, Task
+from gyre_ray.envs.untrusted import UntrustedFileError, read_untrusted
 
 ANSWER_FILE = "answer.txt"
+MAX_ANSWER_BYTES = 1 << 20  # read of an answer; the toy tasks ask for a few hundred characters
 
 
 def read_answer(workspace: Path) -> str | EvalResult:
-    """The text of the workspace's answer.txt, or the result to return without one: reward 0 when it is
-    missing, an invalid evaluation when it cannot be read."""
-    path = workspace / ANSWER_FILE
-    if not path.is_file():
+    """The text of the workspace's answer.txt (its first MAX_ANSWER_BYTES), or the result to return
+    without one: reward 0 when it is missing or not a regular file (a link is never followed), an
+    invalid evaluation when it cannot be read."""
+    try:  # the agent's file: never through a link, at most MAX_ANSWER_BYTES
+        return read_untrusted(workspace / ANSWER_FILE, MAX_ANSWER_BYTES).decode(errors="replace")
+    except FileNotFoundError:
         return EvalResult(0.0, detail="no answer.txt: reward 0")
-    try:
-        return path.read_text(errors="replace")
+    except UntrustedFileError as exc:  # a link or a folder is the agent's doing: scored, not dropped
+        return EvalResult(0.0, detail=f"{exc}: reward 0")
     except OSError as exc:
         return EvalResult(0.0, valid=False, detail=f"answer.txt unreadable: {exc}")
 

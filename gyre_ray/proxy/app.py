@@ -180,6 +180,10 @@ def build_app(service: Any) -> FastAPI:
             execution_id = await service.execution_for_key(key)
             if execution_id is not None:
                 return execution_id
+        for key in keys:
+            finished = await service.finished_execution_for_key(key)
+            if finished is not None:
+                raise ApiError(401, f"invalid API key: execution {finished!r} has finished")
         raise ApiError(401, "invalid API key: it names no registered execution")
 
     def require_admin(request: Request) -> None:

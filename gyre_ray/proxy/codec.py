@@ -13,6 +13,7 @@ LRU (`SegmentCache`): a segment seen before costs a lookup instead of an encode.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from array import array
 from collections import OrderedDict
@@ -25,42 +26,49 @@ from gyre_ray.model.config import ModelSection
 from gyre_ray.model.tokenizer import Tokenizer
 from gyre_ray.proxy.prompt import ChatPrompt
 
-SEGMENT_CACHE_CHARS = 16_000_000  # characters of segment text whose ids `prompt_ids` keeps
+# Token ids of segment text `prompt_ids` keeps: 4 bytes each (192 MiB at most, plus 16 bytes of key and
+# Python's overhead per segment), enough for the contexts of about 300 executions of 150k tokens in
+# turn on one replica. Sized by ids: keyed by text, 16M characters held about 33 such contexts and
+# every call past that re-encoded its whole prompt (140 ms on the event loop at 147k tokens).
+SEGMENT_CACHE_IDS = 48_000_000
 
 
 class SegmentCache:
-    """The tokenizer with an LRU of encoded texts, bounded by their total length in characters.
+    """The tokenizer with an LRU of encoded texts, keyed by a 16-byte BLAKE2b digest of the text and
+    bounded by the number of ids it holds.
 
-    Encoding is deterministic, so a hit is exactly what encoding would give. Ids are kept compactly
-    (4 bytes each); `encode` returns a fresh list.
+    Encoding is deterministic, so a hit is exactly what encoding would give (up to a digest
+    collision, about 2^-64 for a billion segments). Ids are kept compactly (4 bytes each); `encode`
+    returns a fresh list.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_chars: int = SEGMENT_CACHE_CHARS) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_ids: int = SEGMENT_CACHE_IDS) -> None:
         self.tokenizer = tokenizer
-        self.max_chars = max_chars
-        self.chars = 0
+        self.max_ids = max_ids
+        self.ids = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[str, array] = OrderedDict()
+        self._entries: OrderedDict[bytes, array] = OrderedDict()
         self._stop_ids = list(tokenizer.stop_ids())
 
     def stop_ids(self) -> list[int]:
         return list(self._stop_ids)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._entries.get(text)
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        ids = self._entries.get(key)
         if ids is not None:
             self.hits += 1
-            self._entries.move_to_end(text)
+            self._entries.move_to_end(key)
             return ids.tolist()
         self.misses += 1
         encoded = self.tokenizer.encode(text)
-        if len(text) <= self.max_chars:
-            self._entries[text] = array("i", encoded)
-            self.chars += len(text)
-            while self.chars > self.max_chars:
-                old, _ = self._entries.popitem(last=False)
-                self.chars -= len(old)
+        if len(encoded) <= self.max_ids:
+            self._entries[key] = array("i", encoded)
+            self.ids += len(encoded)
+            while self.ids > self.max_ids:
+                _, old = self._entries.popitem(last=False)
+                self.ids -= len(old)
         return encoded
 
 
@@ -74,14 +82,14 @@ class ChatCodec:
         tokenizer: Tokenizer,
         context_length: int,
         model_name: str = "gyre-policy",
-        segment_cache_chars: int = SEGMENT_CACHE_CHARS,
+        segment_cache_ids: int = SEGMENT_CACHE_IDS,
     ) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.model_name = model_name
         self.stop_ids = frozenset(tokenizer.stop_ids())
         self.vocab_size = tokenizer.vocab_size
-        self.segments = SegmentCache(tokenizer, segment_cache_chars)
+        self.segments = SegmentCache(tokenizer, segment_cache_ids)
 
     @classmethod
     def for_model(cls, section: ModelSection) -> ChatCodec:

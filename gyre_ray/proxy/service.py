@@ -32,6 +32,7 @@ from gyre_ray.trajectory.records import CallRecord
 SPLICE_CACHE_PER_EXECUTION = 1024
 RECORD_BATCH_MAX = 256  # pending records handed to the store in one call at most
 KEY_CACHE = 100_000  # API keys this replica remembers (least recently used dropped first)
+KEY_TTL_S = 5.0  # a remembered key is asked of the store again after this: a finish elsewhere revokes it
 SESSION_TAKE_TIMEOUT_S = 5.0  # how long a re-routed call waits for its old cell's staged prefix
 
 
@@ -72,7 +73,8 @@ class ProxyService:
         self.store = store
         self.admin_token = admin_token
         self.router = Router(list(cells))
-        self._keys: OrderedDict[str, str] = OrderedDict()  # key -> execution, LRU of KEY_CACHE entries
+        # key -> (execution, until when it is trusted), LRU of KEY_CACHE entries
+        self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._inflight: dict[str, int] = {}
         self._main_system: dict[str, str] = {}
         self._splices: dict[str, OrderedDict[str, tuple[str, list[int]]]] = {}
@@ -100,16 +102,23 @@ class ProxyService:
         if not api_key:
             return None
         cached = self._keys.get(api_key)
-        if cached is not None:
+        if cached is not None and cached[1] > time.monotonic():
             self._keys.move_to_end(api_key)
-            return cached
+            return cached[0]
         execution_id = await self.store.call("execution_for_key", api_key)
         if execution_id is not None:
             self._cache_key(api_key, execution_id)
+        else:
+            self._keys.pop(api_key, None)
         return execution_id
 
+    async def finished_execution_for_key(self, api_key: str) -> str | None:
+        """The finished execution whose revoked key `api_key` was (None: never a key), to say why."""
+        return await self.store.call("finished_execution_for_key", api_key)
+
     def _cache_key(self, api_key: str, execution_id: str) -> None:
-        self._keys[api_key] = execution_id
+        self._keys[api_key] = (execution_id, time.monotonic() + KEY_TTL_S)
+        self._keys.move_to_end(api_key)
         while len(self._keys) > KEY_CACHE:  # the store knows every key: a miss only costs a look-up
             self._keys.popitem(last=False)
 
@@ -135,6 +144,8 @@ class ProxyService:
             path = await self.store_read("finish_execution", execution_id)
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
+        for key in [k for k, (e, _) in self._keys.items() if e == execution_id]:  # revoked: forget them
+            del self._keys[key]
         pinned = self.router.affinity.get(execution_id)
         self.router.forget(execution_id)
         if pinned is not None and hasattr(self.cells.get(pinned), "forget_session"):

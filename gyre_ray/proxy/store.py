@@ -12,6 +12,11 @@ nothing waits in memory, and registrations go to a registry file (`gyre_ray.prox
 A store actor Ray starts again after its process died replays them: every execution,
 its key (checked by digest), its records, its splice index. A batch the dead store was applying is
 sent again by Ray's task retry; records already on file (same call id) are not added twice.
+
+`finish_execution` closes an execution: its key is revoked (`execution_for_key` answers None, as for
+an unknown key, in a restarted store too) and records sent for it afterwards are refused (counted in
+`rejected_records`). A restarted store does not read a finished execution's file back (the registry
+says how many records it holds).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class StoreError(ValueError):
 class _Execution:
     def __init__(self, execution_id: str, api_key: str | None, metadata: dict[str, Any]) -> None:
         self.execution_id = execution_id
-        self.api_key = api_key  # None when restored from the registry (which keeps only its digest)
+        self.api_key = api_key  # None: restored from the registry (only its digest is kept), or finished
         self.key_digest: str | None = None  # restored: the digest its key is known by (`_by_digest`)
         self.restored = False
         self.call_ids: set[str] = set()  # durable mode: call ids on file (not finished executions)
@@ -65,6 +70,7 @@ class TrajectoryStore:
         self._executions: dict[str, _Execution] = {}
         self._by_key: dict[str, str] = {}
         self._by_digest: dict[str, str] = {}  # restored executions: key digest -> id
+        self._finished_keys: dict[str, str] = {}  # finished executions: their revoked key's digest -> id
         self._in_memory = 0
         self._rejected = 0
         self._duplicates = 0
@@ -86,7 +92,7 @@ class TrajectoryStore:
         with self._lock:
             if execution_id is None:
                 execution_id = "exec-" + secrets.token_hex(8)
-            if not isinstance(execution_id, str) or not EXECUTION_ID.match(execution_id):
+            if not isinstance(execution_id, str) or not EXECUTION_ID.fullmatch(execution_id):
                 raise StoreError(f"execution_id {execution_id!r} must match {EXECUTION_ID.pattern}")
             api_key = "gyre-" + secrets.token_urlsafe(24)
             known = self._executions.get(execution_id)
@@ -108,19 +114,29 @@ class TrajectoryStore:
         return ex.restored and ex.spilled == 0 and not ex.finished
 
     def execution_for_key(self, api_key: str) -> str | None:
-        """The execution an API key names, or None."""
+        """The execution an API key names, or None (also for a finished execution's key: revoked)."""
         found = self._by_key.get(api_key)
         if found is None and self._by_digest:
             found = self._by_digest.get(store_files.key_digest(api_key))
         return found
+
+    def finished_execution_for_key(self, api_key: str) -> str | None:
+        """The finished execution whose (revoked) key `api_key` was, or None: lets the proxy say why a
+        key it refuses no longer works."""
+        if not self._finished_keys:
+            return None
+        return self._finished_keys.get(store_files.key_digest(api_key))
 
     def reissue_key(self, execution_id: str) -> str:
         """A new API key for a registered execution, the old one revoked (the runtime's own use: a
         restarted scheduler launches again an execution whose harness never started, whose key a
         restarted store may only know by digest; never exposed over HTTP)."""
         with self._lock:
+            ex = self._get(execution_id)
+            if ex.finished:
+                raise StoreError(f"execution {execution_id!r} has finished: its key stays revoked")
             api_key = "gyre-" + secrets.token_urlsafe(24)
-            self._rekey(self._get(execution_id), api_key)
+            self._rekey(ex, api_key)
             return api_key
 
     def _rekey(self, ex: _Execution, api_key: str) -> None:
@@ -159,10 +175,9 @@ class TrajectoryStore:
         with self._lock:
             ex = self._get(record.execution_id)
             if ex.finished:
-                self._append_file(ex, [record])
-            else:
-                ex.records.append(record)
-                self._in_memory += 1
+                raise StoreError(f"execution {ex.execution_id!r} has finished: no record is added to it")
+            ex.records.append(record)
+            self._in_memory += 1
             if splice_key is not None and record.output_ids:
                 self._index_splice(ex, splice_key, record.call_id, list(record.output_ids))
             if self._in_memory > self.max_records_in_memory:
@@ -171,7 +186,8 @@ class TrajectoryStore:
     def add_many(self, items: list[tuple[CallRecord, str | None]]) -> None:
         """`add` for each (record, splice key), in order: a proxy hands over its records in batches.
 
-        A record of an unknown execution is counted (`rejected_records`) without stopping the batch.
+        A record of an unknown or finished execution is counted (`rejected_records`) without stopping
+        the batch.
         """
         if self._registry is not None:
             return self._add_durably(items)
@@ -203,14 +219,16 @@ class TrajectoryStore:
 
     def finish_execution(self, execution_id: str) -> str:
         """Spill the execution's records to disk and stop keeping them (and its splice index) in memory;
-        returns the file path. What stays is its key and metadata (a few hundred bytes)."""
+        returns the file path. Its key is revoked (`execution_for_key` no longer knows it) and no record
+        is added to it any more. What stays is its metadata (a few hundred bytes)."""
         with self._lock:
             ex = self._get(execution_id)
             self._spill(ex)
             if self._registry is not None and not ex.finished:
-                self._registry.finished(execution_id)
+                self._registry.finished(execution_id, ex.spilled)
             ex.finished = True
-            ex.splice.clear()  # a (rare) call after the end is encoded afresh, not spliced
+            self._revoke(ex)
+            ex.splice.clear()
             ex.call_ids.clear()
             return str(self._path(ex))
 
@@ -253,7 +271,7 @@ class TrajectoryStore:
             by_execution: dict[str, list[tuple[CallRecord, str | None]]] = {}
             for record, splice_key in items:
                 ex = self._executions.get(record.execution_id)
-                if ex is None:
+                if ex is None or ex.finished:
                     self._rejected += 1
                 elif record.call_id in ex.call_ids:
                     self._duplicates += 1  # sent again after a store restart: already on file
@@ -264,15 +282,21 @@ class TrajectoryStore:
                 ex = self._executions[execution_id]
                 store_files.append_records(self._path(ex), [r for r, _ in added], self.fsync)
                 ex.spilled += len(added)
-                if ex.finished:  # a (rare) call after the end: on file, neither deduplicated nor spliced
-                    ex.call_ids.clear()
-                    continue
                 spliced = [(key, r) for r, key in added if key is not None and r.output_ids]
                 for key, record in spliced:
                     self._index_splice(ex, key, record.call_id, list(record.output_ids))
                 if spliced:
                     keys = [(key, record.call_id) for key, record in spliced]
                     store_files.append_splice(self.records_dir, execution_id, keys, self.fsync)
+
+    def _revoke(self, ex: _Execution) -> None:
+        """A finished execution's key names it no more (only its digest is kept, to say so)."""
+        self._by_key.pop(ex.api_key, None)
+        self._by_digest.pop(ex.key_digest, None)
+        digest = ex.key_digest or (store_files.key_digest(ex.api_key) if ex.api_key else None)
+        if digest is not None:
+            self._finished_keys[digest] = ex.execution_id
+        ex.api_key = ex.key_digest = None
 
     def _restore_digest(self, ex: _Execution, digest: str) -> None:
         self._by_digest.pop(ex.key_digest, None)
@@ -288,6 +312,7 @@ class TrajectoryStore:
     def _replay(self) -> None:
         """A store started on a folder a previous store wrote in durable mode: take its state back."""
         assert self._registry is not None
+        finished: dict[str, int | None] = {}  # id -> records on file (None: an older registry's finish)
         for event in self._registry.replay():
             if "register" in event:
                 ex = _Execution(event["register"], None, event.get("metadata") or {})
@@ -298,10 +323,14 @@ class TrajectoryStore:
                 self._restore_digest(self._executions[event["rekey"]], event["key_sha256"])
             elif "finish" in event and event["finish"] in self._executions:
                 self._executions[event["finish"]].finished = True
+                finished[event["finish"]] = event.get("records")
         for ex in self._executions.values():
-            ex.spilled, outputs = store_files.scan_records(self._path(ex))
-            if ex.finished:
+            if ex.finished:  # nothing of its file is needed but how many records it holds
+                self._revoke(ex)
+                count = finished.get(ex.execution_id)
+                ex.spilled = count if isinstance(count, int) else store_files.count_records(self._path(ex))
                 continue
+            ex.spilled, outputs = store_files.scan_records(self._path(ex))
             ex.call_ids = set(outputs)
             for key, call_id in store_files.read_splice(self.records_dir, ex.execution_id):
                 if call_id in outputs and outputs[call_id]:

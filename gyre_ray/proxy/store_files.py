@@ -2,17 +2,19 @@
 
     registry = Registry(records_dir, fsync=True)  # <records_dir>/.registry.jsonl
     registry.registered(execution_id, api_key, metadata)   # an execution and the sha-256 of its key
-    registry.finished(execution_id)
+    registry.finished(execution_id, records)               # with how many records its file holds
     for event in registry.replay(): ...                    # a restarted store reads them back
     append_records(path, records, fsync=True)              # a group commit: one write + fsync per file
-    count, call_ids = scan_records(path)                   # a torn last line is cut off
+    count, outputs = scan_records(path)                    # a torn last line is cut off
+    count = count_records(path)                            # the same count, nothing parsed
 
 Every call record is appended to its execution's `<execution_id>.jsonl` (the call-record JSONL of
 `gyre_ray.trajectory.records`) when the store applies it, and fsync'd before the batch is
 acknowledged. The registry keeps no API key, only its sha-256: a restarted store checks a
 presented key against it. Execution ids never start with ".", so `.registry.jsonl` names no
 execution, and `.splice/<execution_id>.jsonl` holds each execution's splice keys (key -> call id),
-so a re-sent assistant turn is still rendered token-exact after a restart.
+so a re-sent assistant turn is still rendered token-exact after a restart. A finished execution's
+file is not read back: its `finish` line says how many records it holds, and nothing is added to it.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _append_lines(path: Path, lines: list[str], fsync: bool) -> None:
 
 
 class Registry:
-    """Append-only lines: executions registered (key digest, metadata), re-keyed, finished."""
+    """Append-only lines: executions registered (key digest, metadata), re-keyed, finished (with their
+    record count)."""
 
     def __init__(self, records_dir: Path, fsync: bool = True) -> None:
         self.path = records_dir / REGISTRY_NAME
@@ -87,8 +90,8 @@ class Registry:
     def rekeyed(self, execution_id: str, api_key: str) -> None:
         self._write({"rekey": execution_id, "key_sha256": key_digest(api_key)})
 
-    def finished(self, execution_id: str) -> None:
-        self._write({"finish": execution_id})
+    def finished(self, execution_id: str, records: int) -> None:
+        self._write({"finish": execution_id, "records": records})
 
     def replay(self) -> Iterator[dict[str, Any]]:
         """The registry's events in order (a torn last line, the writer killed mid-write, is skipped)."""
@@ -117,19 +120,49 @@ def read_splice(records_dir: Path, execution_id: str) -> list[tuple[str, str]]:
 
 def scan_records(path: Path) -> tuple[int, dict[str, list[int]]]:
     """How many complete records `path` holds and each one's output ids by call id; a torn last line
-    (the store killed mid-write: it was never acknowledged) is cut off the file."""
+    (the store killed mid-write: it was never acknowledged) is cut off the file. Read line by line:
+    one record in memory at a time, besides the output ids kept."""
     if not path.exists():
         return 0, {}
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
+    outputs: dict[str, list[int]] = {}
+    count = end = 0
+    with open(path, "rb") as fh:
+        for line in fh:
+            if not line.endswith(b"\n"):
+                break  # the torn last line
+            end += len(line)
+            if line.strip():
+                item = json.loads(line)
+                outputs[item["call_id"]] = list(item.get("output_ids") or [])
+                count += 1
+    _cut_torn_tail(path, end)
+    return count, outputs
+
+
+def count_records(path: Path, chunk: int = 1 << 20) -> int:
+    """How many complete records `path` holds (as `scan_records` counts them: its complete lines that
+    are not blank), read in chunks and not parsed; a torn last line is cut off the file likewise."""
+    if not path.exists():
+        return 0
+    count = end = offset = 0
+    text_before = False  # the line under way, begun in an earlier chunk, has a non-blank byte
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            *complete, rest = block.split(b"\n")
+            for line in complete:
+                if text_before or line.strip():
+                    count += 1
+                text_before = False
+            if complete:
+                end = offset + len(block) - len(rest)
+            text_before = text_before or bool(rest.strip())
+            offset += len(block)
+    _cut_torn_tail(path, end)
+    return count
+
+
+def _cut_torn_tail(path: Path, end: int) -> None:
+    """Cut off what follows the last newline of `path` (`end`: the bytes up to it), if anything does."""
+    if path.stat().st_size > end:
         with open(path, "r+b") as fh:
             fh.truncate(end)
-    outputs: dict[str, list[int]] = {}
-    count = 0
-    for line in data[:end].decode("utf-8").splitlines():
-        if line.strip():
-            item = json.loads(line)
-            outputs[item["call_id"]] = list(item.get("output_ids") or [])
-            count += 1
-    return count, outputs

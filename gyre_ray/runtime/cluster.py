@@ -74,7 +74,25 @@ def connect_ray(config: GyreConfig) -> bool:
             num_cpus=local_ray_cpus(config), num_gpus=gpus or None, include_dashboard=config.run.dashboard,
             logging_level="WARNING", **options,
         )  # fmt: skip
+    warn_if_sandboxes_reach_ray(config)
     return True
+
+
+def warn_if_sandboxes_reach_ray(config: GyreConfig) -> None:
+    """Executions run as sandbox uids on this host, but with Ray's token auth off nothing stops their
+    code from talking to the cluster's ports here (docs/harnesses.md, "Isolation"): say so."""
+    from gyre_ray.agents.sandbox import can_create_users, protect_ray_credentials
+
+    if config.agents.isolation == "none" or not (config.agents.isolation == "user" or can_create_users()):
+        return
+    protect_ray_credentials()  # the token Ray just wrote, readable by all
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        print(
+            "gyre-ray: warning: RAY_AUTH_MODE=disabled: sandboxed executions can reach this Ray cluster's "
+            "ports on this host and control it; keep Ray's token auth on, or block the sandbox group's "
+            "loopback traffic except to the proxy (docs/harnesses.md, Isolation)",
+            file=sys.stderr,
+        )
 
 
 LOCAL_RAY_ATTEMPTS = 3

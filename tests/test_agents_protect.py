@@ -1,0 +1,63 @@
+"""What the job closes to sandbox users before executions run: Ray's token, every task's hidden
+tests and the git repository holding them; and what it removes after one: anything the uid left."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gyre_ray.agents.sandbox import _remove_scratch, close_hidden_tests, protect_ray_credentials
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_rays_token_and_its_folder_are_closed_to_other_users(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    ray_dir = tmp_path / ".ray"
+    ray_dir.mkdir(mode=0o755)
+    token = ray_dir / "auth_token"
+    token.write_text("t" * 64)
+    token.chmod(0o644)  # as Ray 2.60 leaves it
+    protect_ray_credentials(tmp_path)
+    assert (_mode(ray_dir), _mode(token)) == (0o700, 0o600)
+    elsewhere = tmp_path / "token"
+    elsewhere.write_text("t")
+    elsewhere.chmod(0o644)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(elsewhere))
+    protect_ray_credentials(tmp_path / "no-home")
+    assert _mode(elsewhere) == 0o600
+
+
+def test_every_tasks_hidden_tests_and_their_git_repository_are_closed(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / ".git/objects").mkdir(parents=True)
+    hidden = [repo / "tasks/hidden/a", repo / "tasks/hidden/b"]
+    for folder in hidden:
+        folder.mkdir(parents=True)
+        folder.chmod(0o755)
+    (repo / ".git").chmod(0o755)
+    assert close_hidden_tests(hidden) == [repo / ".git"]
+    assert [_mode(p) for p in [*hidden, repo / ".git"]] == [0o700, 0o700, 0o700]
+    assert close_hidden_tests(hidden) == []  # already closed: nothing to do
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to own files as another uid")
+def test_files_a_uid_left_deep_in_shared_scratch_are_removed(tmp_path: Path) -> None:
+    shared = tmp_path / "tmp/ray/session_1/logs"
+    shared.mkdir(parents=True)
+    mine, theirs = shared / "leak.txt", shared / "ray.log"
+    for path in (mine, theirs):
+        path.write_text("x")
+    (shared / "nested").mkdir()
+    (shared / "nested/deeper.txt").write_text("x")
+    (shared / "link").symlink_to(theirs)
+    uid = 54321
+    for path in (mine, shared / "nested", shared / "nested/deeper.txt"):
+        os.chown(path, uid, -1)
+    os.chown(shared / "link", uid, -1, follow_symlinks=False)
+    _remove_scratch(uid, (str(tmp_path / "tmp"),))
+    assert sorted(p.name for p in shared.iterdir()) == ["ray.log"]  # the link went, not its target
