@@ -157,6 +157,8 @@ def test_a_finish_line_without_a_count_is_counted_from_the_file_unparsed(tmp_pat
         b"{}\n   ",
         b"\n\n\n{}",
         b"{}\n" * 5 + b'{"call_id"',
+        b'{"chunk": "ab", "ids": []}\n{}\n{"chunk": "cd", "ids": []}\n{}\n',  # chunk lines are no records
+        b'{}\n{"chunk": "ab", "ids": [1, 2, 3]}',
     ],
 )
 def test_count_records_counts_and_cuts_as_scan_records_does(tmp_path, chunk, content) -> None:

@@ -46,6 +46,7 @@ class _Execution:
         self.key_digest: str | None = None  # restored: the digest its key is known by (`_by_digest`)
         self.restored = False
         self.call_ids: set[str] = set()  # durable mode: call ids on file (not finished executions)
+        self.chunks: set[str] = set()  # prompt chunks its file holds (`record_chunks`; not finished ones)
         self.metadata = metadata
         self.records: list[CallRecord] = []  # not yet spilled
         self.spilled = 0
@@ -230,6 +231,7 @@ class TrajectoryStore:
             self._revoke(ex)
             ex.splice.clear()
             ex.call_ids.clear()
+            ex.chunks.clear()
             return str(self._path(ex))
 
     def stats(self) -> dict[str, int]:
@@ -254,9 +256,12 @@ class TrajectoryStore:
 
     def _append_file(self, ex: _Execution, records: list[CallRecord]) -> None:
         self.records_dir.mkdir(parents=True, exist_ok=True)
-        with open(self._path(ex), "a", encoding="utf-8") as fh:
+        path = self._path(ex)
+        if not path.exists():
+            ex.chunks.clear()
+        with open(path, "a", encoding="utf-8") as fh:
             for record in records:
-                fh.write(record.to_json() + "\n")
+                fh.writelines(record.to_file_lines(ex.chunks))
         ex.spilled += len(records)
 
     def _spill(self, ex: _Execution) -> None:
@@ -280,7 +285,7 @@ class TrajectoryStore:
                     by_execution.setdefault(ex.execution_id, []).append((record, splice_key))
             for execution_id, added in by_execution.items():  # records_dir: made by the registry
                 ex = self._executions[execution_id]
-                store_files.append_records(self._path(ex), [r for r, _ in added], self.fsync)
+                store_files.append_records(self._path(ex), [r for r, _ in added], self.fsync, ex.chunks)
                 ex.spilled += len(added)
                 spliced = [(key, r) for r, key in added if key is not None and r.output_ids]
                 for key, record in spliced:
@@ -330,7 +335,7 @@ class TrajectoryStore:
                 count = finished.get(ex.execution_id)
                 ex.spilled = count if isinstance(count, int) else store_files.count_records(self._path(ex))
                 continue
-            ex.spilled, outputs = store_files.scan_records(self._path(ex))
+            ex.spilled, outputs = store_files.scan_records(self._path(ex), ex.chunks)
             ex.call_ids = set(outputs)
             for key, call_id in store_files.read_splice(self.records_dir, ex.execution_id):
                 if call_id in outputs and outputs[call_id]:

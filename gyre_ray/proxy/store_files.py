@@ -4,12 +4,13 @@
     registry.registered(execution_id, api_key, metadata)   # an execution and the sha-256 of its key
     registry.finished(execution_id, records)               # with how many records its file holds
     for event in registry.replay(): ...                    # a restarted store reads them back
-    append_records(path, records, fsync=True)              # a group commit: one write + fsync per file
-    count, outputs = scan_records(path)                    # a torn last line is cut off
+    append_records(path, records, True, chunks)            # a group commit: one write + fsync per file
+    count, outputs = scan_records(path, chunks)            # a torn last line is cut off
     count = count_records(path)                            # the same count, nothing parsed
 
 Every call record is appended to its execution's `<execution_id>.jsonl` (the call-record JSONL of
-`gyre_ray.trajectory.records`) when the store applies it, and fsync'd before the batch is
+`gyre_ray.trajectory.records`, in its chunked form: a shared prompt prefix is written once per file,
+`gyre_ray.trajectory.record_chunks`; `chunks` names the chunks a file holds) when the store applies it, and fsync'd before the batch is
 acknowledged. The registry keeps no API key, only its sha-256: a restarted store checks a
 presented key against it. Execution ids never start with ".", so `.registry.jsonl` names no
 execution, and `.splice/<execution_id>.jsonl` holds each execution's splice keys (key -> call id),
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.trajectory.record_chunks import CHUNK_LINE_PREFIX
 from gyre_ray.trajectory.records import CallRecord
 
 REGISTRY_NAME = ".registry.jsonl"
@@ -101,9 +103,12 @@ class Registry:
         _append_lines(self.path, [json.dumps(event) + "\n"], self.fsync)
 
 
-def append_records(path: Path, records: list[CallRecord], fsync: bool) -> None:
-    """Append `records` to `path` in one write (fsync'd when asked)."""
-    _append_lines(path, [record.to_json() + "\n" for record in records], fsync)
+def append_records(path: Path, records: list[CallRecord], fsync: bool, chunks: set[str]) -> None:
+    """Append `records` to `path` in one write (fsync'd when asked), in the chunked form: `chunks` names
+    the chunks the file holds (updated; emptied first when the file is not there)."""
+    if not path.exists():
+        chunks.clear()
+    _append_lines(path, [line for record in records for line in record.to_file_lines(chunks)], fsync)
 
 
 def append_splice(records_dir: Path, execution_id: str, keys: list[tuple[str, str]], fsync: bool) -> None:
@@ -118,10 +123,11 @@ def read_splice(records_dir: Path, execution_id: str) -> list[tuple[str, str]]:
     return [(item["k"], item["c"]) for item in json_lines(records_dir / SPLICE_DIR / f"{execution_id}.jsonl")]
 
 
-def scan_records(path: Path) -> tuple[int, dict[str, list[int]]]:
-    """How many complete records `path` holds and each one's output ids by call id; a torn last line
-    (the store killed mid-write: it was never acknowledged) is cut off the file. Read line by line:
-    one record in memory at a time, besides the output ids kept."""
+def scan_records(path: Path, chunks: set[str] | None = None) -> tuple[int, dict[str, list[int]]]:
+    """How many complete records `path` holds and each one's output ids by call id (the names of its
+    chunk lines go to `chunks`); a torn last line (the store killed mid-write: it was never
+    acknowledged) is cut off the file. Read line by line: one record in memory at a time, besides the
+    output ids kept."""
     if not path.exists():
         return 0, {}
     outputs: dict[str, list[int]] = {}
@@ -131,7 +137,10 @@ def scan_records(path: Path) -> tuple[int, dict[str, list[int]]]:
             if not line.endswith(b"\n"):
                 break  # the torn last line
             end += len(line)
-            if line.strip():
+            if line.startswith(CHUNK_LINE_PREFIX):
+                if chunks is not None:
+                    chunks.add(json.loads(line)["chunk"])
+            elif line.strip():
                 item = json.loads(line)
                 outputs[item["call_id"]] = list(item.get("output_ids") or [])
                 count += 1
@@ -141,21 +150,24 @@ def scan_records(path: Path) -> tuple[int, dict[str, list[int]]]:
 
 def count_records(path: Path, chunk: int = 1 << 20) -> int:
     """How many complete records `path` holds (as `scan_records` counts them: its complete lines that
-    are not blank), read in chunks and not parsed; a torn last line is cut off the file likewise."""
+    are not blank and not chunk lines), read in blocks and not parsed; a torn last line is cut off the
+    file likewise."""
     if not path.exists():
         return 0
+    width = len(CHUNK_LINE_PREFIX)
     count = end = offset = 0
-    text_before = False  # the line under way, begun in an earlier chunk, has a non-blank byte
+    head, nonblank = b"", False  # the line under way (begun in an earlier block): its start, any text
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             *complete, rest = block.split(b"\n")
-            for line in complete:
-                if text_before or line.strip():
+            for piece in complete:
+                start = (head + piece)[:width]
+                if (nonblank or piece.strip()) and not start.startswith(CHUNK_LINE_PREFIX):
                     count += 1
-                text_before = False
+                head, nonblank = b"", False
             if complete:
                 end = offset + len(block) - len(rest)
-            text_before = text_before or bool(rest.strip())
+            head, nonblank = (head + rest)[:width], nonblank or bool(rest.strip())
             offset += len(block)
     _cut_torn_tail(path, end)
     return count

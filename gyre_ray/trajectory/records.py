@@ -18,6 +18,11 @@ line (JSONL) with these fields:
 | `session` | str or null | optional: harness session id (e.g. Claude Code's `metadata.user_id`) |
 | `meta` | object | optional: anything else (model name, finish reason, ...) |
 
+The record store writes its files in a chunked form of this format (`record_chunks`): a prompt's
+leading whole chunks of 2,048 ids go to chunk lines written once per file, and the record line
+names them in `input_chunks`; `read_jsonl` reads both forms and returns whole records, and every
+record the store or the proxy hands out (`/gyre/executions/{id}/records`) is in the plain form.
+
 Records that contradict themselves are rejected with a `RecordError` naming the field and limit.
 """
 
@@ -29,6 +34,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
+
+from gyre_ray.trajectory.record_chunks import ChunkError, ChunkReader, chunked_lines
 
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary", "unknown")
 REQUIRED_FIELDS = (
@@ -183,6 +190,12 @@ class CallRecord:
         """One JSONL line (no trailing newline)."""
         return json.dumps(self._fields(), separators=(",", ":"), default=_json_default)
 
+    def to_file_lines(self, written_chunks: set[str]) -> list[str]:
+        """The lines that append this record to a records file in the chunked form
+        (`gyre_ray.trajectory.record_chunks`): chunk lines the file lacks (`written_chunks`, updated),
+        then the record."""
+        return chunked_lines(self._fields(), written_chunks, _json_default)
+
     def _fields(self) -> dict[str, Any]:
         """The fields by on-disk name, in order; the values are the record's own (not copies)."""
         return {
@@ -244,8 +257,10 @@ def validate_execution(records: Iterable[CallRecord], vocab_size: int | None = N
 
 
 def read_jsonl(path: str | Path, vocab_size: int | None = None) -> list[CallRecord]:
-    """Read and validate every record of a JSONL file; errors name the file and line number."""
+    """Read and validate every record of a JSONL file, plain or chunked (`record_chunks`: records come
+    back whole); errors name the file and line number."""
     records: list[CallRecord] = []
+    chunks = ChunkReader()
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             try:
@@ -255,8 +270,12 @@ def read_jsonl(path: str | Path, vocab_size: int | None = None) -> list[CallReco
             if not line.strip():
                 continue
             try:
-                records.append(CallRecord.from_json(line, vocab_size))
-            except RecordError as exc:
+                data = chunks.take(json.loads(line))
+                if data is not None:
+                    records.append(CallRecord.from_dict(data, vocab_size))
+            except json.JSONDecodeError as exc:
+                raise RecordError(f"{path}:{lineno}: call record is not valid JSON: {exc}") from None
+            except (RecordError, ChunkError) as exc:
                 raise RecordError(f"{path}:{lineno}: {exc}") from None
     return records
 
