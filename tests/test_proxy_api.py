@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-import anthropic
-import httpx
-import httpx2
 import openai
 import pytest
 from asgi_scope import json_post_scope
+from sdk_clients import WEATHER_TOOL, scenario
 
 from gyre_ray.cells.factories import ScriptedEngineFactory
 from gyre_ray.model.config import ModelSection
@@ -36,14 +34,6 @@ REPLIES = [
     ("ODD_Q", ODD_IDS + [IM_END]),
     ("STOP_Q", CODEC.encode("alpha beta STOP gamma") + [IM_END]),
 ]
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 ANTHROPIC_TOOL = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
 
 
@@ -55,41 +45,6 @@ def _factory(**options):
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory):
     return asyncio.run(build_local_proxy(CODEC, _factory(), tmp_path_factory.mktemp("records")))
-
-
-class Clients:
-    """openai / anthropic SDK clients and a raw httpx client, all on the in-process app."""
-
-    def __init__(self, proxy, api_key: str) -> None:
-        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=proxy.app), base_url="http://proxy")
-        self.http2 = httpx2.AsyncClient(
-            transport=httpx2.ASGITransport(app=proxy.app), base_url="http://proxy"
-        )
-        self.openai = openai.AsyncOpenAI(
-            api_key=api_key, base_url="http://proxy/v1", http_client=self.http, max_retries=0
-        )
-        self.anthropic = anthropic.AsyncAnthropic(
-            api_key=api_key, base_url="http://proxy", http_client=self.http2, max_retries=0
-        )
-
-    async def close(self) -> None:
-        await self.http.aclose()
-        await self.http2.aclose()
-
-
-def scenario(proxy, body):
-    """Run `body(clients, execution_id)` against a fresh execution; return (result, its records)."""
-    created = proxy.register_execution()
-
-    async def main():
-        clients = Clients(proxy, created["api_key"])
-        try:
-            return await body(clients, created["execution_id"])
-        finally:
-            await clients.close()
-
-    result = asyncio.run(main())
-    return result, proxy.store.records(created["execution_id"])
 
 
 # ---- OpenAI ---------------------------------------------------------------------------------------------
@@ -167,7 +122,7 @@ def test_openai_streamed_tool_calls_reassemble(proxy):
     chunks, _ = scenario(proxy, body)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert text == "Let me check.\n" and len(calls) == 1
+    assert text == "Let me check." and len(calls) == 1  # as the non-streamed result
     assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == {
         "city": "Paris"
     }

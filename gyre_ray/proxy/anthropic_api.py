@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from gyre_ray.proxy.anthropic_schema import CountTokensRequest, MessagesRequest
 from gyre_ray.proxy.errors import ApiError, error_body
-from gyre_ray.proxy.front import begin, complete, sampling_for, sse, validate
+from gyre_ray.proxy.front import begin, complete, one_tool_call_stop, sampling_for, sse, validate
 from gyre_ray.proxy.generation import Generation, Outcome
 
 STOP_REASON = {
@@ -55,6 +55,9 @@ def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
 async def messages(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
     req = validate(MessagesRequest, body)
     prompt = req.to_prompt()
+    one_call = one_tool_call_stop(
+        service, req.parallel_tool_calls(), prompt.parse_tools, "tool_choice.disable_parallel_tool_use"
+    )
     call = await service.prepare_chat(
         execution_id,
         prompt,
@@ -64,7 +67,9 @@ async def messages(service: Any, execution_id: str, body: Any, headers: dict[str
         headers.get("user-agent", ""),
         session=req.session_id(),
     )
-    sampling = sampling_for(service, call, req.temperature, req.top_p, req.max_tokens, None)
+    sampling = sampling_for(
+        service, call, req.temperature, req.top_p, req.max_tokens, None, extra_stop_ids=one_call
+    )
     gen, slot = await begin(
         service, call, sampling, prompt.parse_tools, list(req.stop_sequences or []), "toolu_", req.stream
     )

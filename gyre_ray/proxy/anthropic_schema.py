@@ -3,7 +3,9 @@
 Accepts what Claude Code sends: `system` as a string or text blocks, a `system` message in the middle of
 `messages`, `cache_control` on blocks, `thinking` blocks in assistant turns (dropped: the policy cannot
 honour them), and top-level fields such as `thinking`, `context_management`, `output_config`,
-`metadata` (ignored, except `metadata.user_id`'s session id, which is recorded).
+`metadata` (ignored, except `metadata.user_id`'s session id, which is recorded). Blocks the policy
+cannot read (image, document, search_result, ...) and `top_k` are a 400 naming them;
+`tool_choice.disable_parallel_tool_use` stops generation once the first tool call is closed.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class Tool(Lenient):
 class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+BLOCK_TYPES = ("text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking")
+RESULT_BLOCK_TYPES = ("text", "image", "document")
 
 
 class CountTokensRequest(Lenient):
@@ -89,6 +96,28 @@ class CountTokensRequest(Lenient):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_blocks_only(cls, data: Any) -> Any:
+        """A block type the proxy does not know (search_result, server tool blocks, ...) is a clear 400
+        rather than a long discriminator error."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, msg in enumerate(messages if isinstance(messages, list) else []):
+            content = msg.get("content") if isinstance(msg, dict) else None
+            for j, block in enumerate(content if isinstance(content, list) else []):
+                kind = block.get("type") if isinstance(block, dict) else None
+                _check_block_type(kind, BLOCK_TYPES, f"messages.{i}.content.{j}")
+                inner = block.get("content") if kind == "tool_result" else None
+                for k, item in enumerate(inner if isinstance(inner, list) else []):
+                    inner_kind = item.get("type") if isinstance(item, dict) else None
+                    _check_block_type(inner_kind, RESULT_BLOCK_TYPES, f"messages.{i}.content.{j}.content.{k}")
+        return data
+
+    def parallel_tool_calls(self) -> bool | None:
+        """False when `tool_choice.disable_parallel_tool_use` asks for at most one tool call."""
+        choice = self.tool_choice
+        return False if choice is not None and choice.disable_parallel_tool_use else None
 
     def to_prompt(self) -> ChatPrompt:
         """The conversation as OpenAI-style messages (tool_use -> tool_calls, tool_result -> tool)."""
@@ -144,6 +173,17 @@ class MessagesRequest(CountTokensRequest):
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.top_k is not None:
+            raise bad_request(
+                "top_k is not supported: the policy samples with temperature and top_p only", "top_k"
+            )
+
+
+def _check_block_type(kind: Any, known: tuple[str, ...], where: str) -> None:
+    if isinstance(kind, str) and kind not in known:
+        raise bad_request(f"{where}: {kind} blocks are not supported by this text-only policy", where)
 
 
 def _join_text(content: str | list[TextBlock]) -> str:

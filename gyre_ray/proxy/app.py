@@ -1,7 +1,7 @@
 """The proxy's HTTP surface: a FastAPI app over a `ProxyService` (model APIs, admin API, errors).
 
 Model APIs (an execution's API key as `Authorization: Bearer` or `x-api-key`):
-  POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+  POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id},
   POST /v1/messages, POST /v1/messages/count_tokens (query strings such as ?beta=true are ignored),
   POST /v1/responses (the Responses API).
 Admin API (the admin token, same headers):
@@ -222,6 +222,12 @@ def build_app(service: Any) -> FastAPI:
         if not any(service.is_admin(k) for k in _credentials(request)):
             await execution_of(request)
         return openai_api.models(service)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        if not any(service.is_admin(k) for k in _credentials(request)):
+            await execution_of(request)
+        return openai_api.model(service, model_id)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

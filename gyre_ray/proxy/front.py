@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 
 from gyre_ray.engines.base import SamplingParams
+from gyre_ray.model.chat_template import TOOL_CALL_CLOSE
 from gyre_ray.proxy.calls import PreparedCall
 from gyre_ray.proxy.errors import ApiError
 from gyre_ray.proxy.generation import Generation, Outcome
@@ -52,6 +53,7 @@ def sampling_for(
     max_tokens: int | None,
     seed: int | None,
     max_tokens_param: str = "max_tokens",
+    extra_stop_ids: list[int] | None = None,
 ) -> SamplingParams:
     """Engine sampling params; max_tokens is capped to the context left after the prompt.
 
@@ -67,9 +69,32 @@ def sampling_for(
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
         max_new_tokens=max_new,
-        stop_token_ids=sorted(service.codec.stop_ids),
+        stop_token_ids=sorted(service.codec.stop_ids) + list(extra_stop_ids or []),
         seed=None if seed is None else seed % (1 << 63),
     )
+
+
+def one_tool_call_stop(
+    service: Any, parallel_tool_calls: bool | None, parse_tools: bool, param: str
+) -> list[int]:
+    """Stop ids that end generation right after the first tool call (`parallel_tool_calls: false`).
+
+    The engine stops on the token that closes the first call, so the output holds at most one call
+    and the record is exactly what the client gets (nothing is dropped after sampling). A tokenizer
+    without a single token for the closing tag cannot be constrained that way: a 400 naming `param`.
+    """
+    if parallel_tool_calls is not False or not parse_tools:
+        return []
+    tokenizer = service.codec.tokenizer
+    close = tokenizer.encode(TOOL_CALL_CLOSE)
+    if len(close) != 1 or close[0] not in tokenizer.backend.get_added_tokens_decoder():
+        raise ApiError(
+            400,
+            f"{param} is not supported: this policy's tokenizer has no added token for "
+            f"{TOOL_CALL_CLOSE!r} to stop on after one tool call",
+            param,
+        )
+    return close
 
 
 async def begin(

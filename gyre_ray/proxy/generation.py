@@ -1,7 +1,8 @@
 """One call from first token to final outcome, shared by the OpenAI and Anthropic front ends.
 
 `Generation` drives a `CallRun` through a `TextAssembler`: `start()` waits for the first tokens (so
-a refusal still becomes a proper HTTP status), `text_deltas()` yields visible text as it arrives,
+a refusal still becomes a proper HTTP status), `text_deltas()` yields visible text as it arrives
+(adding up to `Outcome.content`: the whitespace before a tool call is not shown),
 and `finish()` parses tool calls, settles the finish reason and records the call with the splice
 key of exactly what the client was shown. `abandon()` is for clients that went away mid-call.
 """
@@ -67,6 +68,7 @@ class Generation:
         self._tokens = run.tokens()
         self._first: list[int] | None = None
         self.outcome: Outcome | None = None
+        self._separator = ""  # whitespace before a tool-call marker, not shown unless the call fails to parse
 
     async def start(self) -> None:
         """Wait for the first tokens; routing and engine refusals raise ApiError here."""
@@ -94,6 +96,11 @@ class Generation:
             await self.run.cancel()
             await self._tokens.aclose()
         delta = self.text.finish()
+        if self.text.marker_at is not None and not self.text.stopped:
+            # what is left before the marker is the template's separator (the assembler holds trailing
+            # whitespace back): `finish` strips it from the content, so the stream does not show it
+            kept = delta.rstrip()
+            self._separator, delta = delta[len(kept) :], kept
         if delta:
             yield delta
 
@@ -145,8 +152,11 @@ class Generation:
         return self.outcome
 
     def tail_text(self) -> str:
-        """Text withheld as a possible tool call that did not parse as one (to be shown at the end)."""
-        return self.text.tail if self.outcome is not None and not self.outcome.tool_calls else ""
+        """Text withheld as a possible tool call that did not parse as one (to be shown at the end),
+        with the whitespace held before it: the stream then adds up to `Outcome.content`."""
+        if self.outcome is None or self.outcome.tool_calls:
+            return ""
+        return self._separator + self.text.tail
 
     async def abandon(self, reason: str = "client_disconnected") -> None:
         """The call ends early (client gone, or an error): stop the engine and record what was generated."""

@@ -1,4 +1,4 @@
-"""OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+"""OpenAI-compatible endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models[/{id}]`.
 
 Responses follow OpenAI's shapes: `chat.completion` objects, or `chat.completion.chunk` SSE events
 ending in `data: [DONE]`; tool calls parsed from the output come back as `tool_calls` with
@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from gyre_ray.model.chat_template import tokens_at_least
 from gyre_ray.proxy.errors import ApiError, error_body
-from gyre_ray.proxy.front import begin, complete, sampling_for, sse, validate
+from gyre_ray.proxy.front import begin, complete, one_tool_call_stop, sampling_for, sse, validate
 from gyre_ray.proxy.generation import Generation, Outcome
 from gyre_ray.proxy.openai_schema import ChatCompletionRequest, CompletionRequest
 
@@ -49,6 +49,7 @@ def _usage(outcome: Outcome) -> dict[str, Any]:
 async def chat_completions(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
     req = validate(ChatCompletionRequest, body)
     prompt = req.to_prompt()
+    one_call = one_tool_call_stop(service, req.parallel_tool_calls, prompt.parse_tools, "parallel_tool_calls")
     call = await service.prepare_chat(
         execution_id,
         prompt,
@@ -57,7 +58,15 @@ async def chat_completions(service: Any, execution_id: str, body: Any, headers: 
         headers.get("x-gyre-role"),
         headers.get("user-agent", ""),
     )
-    sampling = sampling_for(service, call, req.temperature, req.top_p, req.requested_max_tokens(), req.seed)
+    sampling = sampling_for(
+        service,
+        call,
+        req.temperature,
+        req.top_p,
+        req.requested_max_tokens(),
+        req.seed,
+        extra_stop_ids=one_call,
+    )
     gen, slot = await begin(
         service, call, sampling, prompt.parse_tools, req.stop_strings(), "call_", req.stream
     )
@@ -135,7 +144,8 @@ async def completions(service: Any, execution_id: str, body: Any, headers: dict[
     meta = {"id": "cmpl-" + call.call_id, "created": int(time.time()), "model": req.model}
     echo = service.codec.decode(ids) if req.echo else ""
     if req.stream:
-        return sse(_completion_stream(gen, meta, echo), gen, slot, _error_event)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse(_completion_stream(gen, meta, echo, include_usage), gen, slot, _error_event)
     outcome = await complete(gen, slot)
     return JSONResponse(
         {
@@ -154,7 +164,9 @@ async def completions(service: Any, execution_id: str, body: Any, headers: dict[
     )
 
 
-async def _completion_stream(gen: Generation, meta: dict[str, Any], echo: str) -> AsyncIterator[str]:
+async def _completion_stream(
+    gen: Generation, meta: dict[str, Any], echo: str, include_usage: bool
+) -> AsyncIterator[str]:
     def chunk(text: str, finish: str | None = None) -> str:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return _data({**meta, "object": "text_completion", "choices": [choice]})
@@ -165,11 +177,42 @@ async def _completion_stream(gen: Generation, meta: dict[str, Any], echo: str) -
         yield chunk(delta)
     outcome = await gen.finish()
     yield chunk("", FINISH[outcome.finish])
+    if include_usage:
+        yield _data({**meta, "object": "text_completion", "choices": [], "usage": _usage(outcome)})
     yield "data: [DONE]\n\n"
 
 
-def models(service: Any) -> Response:
+def model_object(service: Any) -> dict[str, Any]:
+    """The served policy as a model object both SDKs parse: OpenAI's `object` / `created` /
+    `owned_by` and Anthropic's `type` / `display_name` / `created_at` (RFC 3339, the same instant)."""
     name = service.codec.model_name
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "gyre-ray",
+        "type": "model",
+        "display_name": name,
+        "created_at": "1970-01-01T00:00:00Z",
+    }
+
+
+def models(service: Any) -> Response:
+    """`GET /v1/models`: one page holding the served policy (OpenAI's list and Anthropic's page)."""
+    model = model_object(service)
     return JSONResponse(
-        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "gyre-ray"}]}
+        {
+            "object": "list",
+            "data": [model],
+            "has_more": False,
+            "first_id": model["id"],
+            "last_id": model["id"],
+        }
     )
+
+
+def model(service: Any, model_id: str) -> Response:
+    """`GET /v1/models/{id}`: any model name in a request maps to the served policy, so every id
+    retrieves it (the object names the policy that serves it)."""
+    del model_id
+    return JSONResponse(model_object(service))

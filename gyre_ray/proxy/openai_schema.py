@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gyre_ray.proxy.errors import bad_request
 from gyre_ray.proxy.prompt import ChatPrompt, check_parameters_schema, check_tool_name
@@ -103,6 +103,22 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """A content part other than text (image_url, input_audio, file, ...) is a clear 400."""
+        messages = data.get("messages") if isinstance(data, dict) else None
+        for i, msg in enumerate(messages if isinstance(messages, list) else []):
+            content = msg.get("content") if isinstance(msg, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    where = f"messages.{i}.content.{j}"
+                    raise bad_request(
+                        f"{where}: {kind} parts are not supported by this text-only policy", where
+                    )
+        return data
 
     def model_post_init(self, _context: Any) -> None:
         if self.logprobs or self.top_logprobs:

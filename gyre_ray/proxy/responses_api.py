@@ -6,8 +6,10 @@ SSE events with a `sequence_number`: `response.created`, `response.in_progress`,
 `response.output_item.added`, (`response.content_part.added`, `response.output_text.delta`,
 `response.output_text.done`, `response.content_part.done`) or
 (`response.function_call_arguments.delta` / `.done`), `response.output_item.done`, and finally
-`response.completed` (or `response.incomplete` when max_output_tokens ended it), whose response
-carries `usage`. Sessions come from Codex's `session-id` / `thread-id` headers; its
+`response.completed` (or `response.incomplete` when max_output_tokens ended it, its message item
+then "incomplete" too), whose response carries `usage`; the response echoes the request's
+`instructions` and `tools`. `parallel_tool_calls: false` stops generation once the first call is
+closed (`front.one_tool_call_stop`). Sessions come from Codex's `session-id` / `thread-id` headers; its
 `x-codex-turn-metadata` feeds the role rules (`gyre_ray.proxy.roles.codex_role`).
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from gyre_ray.proxy.errors import ApiError
-from gyre_ray.proxy.front import begin, complete, sampling_for, sse, validate
+from gyre_ray.proxy.front import begin, complete, one_tool_call_stop, sampling_for, sse, validate
 from gyre_ray.proxy.generation import Generation, Outcome, ToolCallOut
 from gyre_ray.proxy.responses_schema import ResponsesRequest
 from gyre_ray.proxy.roles import codex_role
@@ -70,8 +72,8 @@ class _Shell:
             "object": "response",
             "created_at": int(time.time()),
             "model": req.model,
-            "instructions": None,
-            "tools": [],
+            "instructions": req.instructions,
+            "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or []],
             "tool_choice": req.tool_choice if isinstance(req.tool_choice, (str, dict)) else "auto",
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             "temperature": req.temperature,
@@ -109,13 +111,14 @@ def session_of(headers: dict[str, str]) -> str | None:
 async def responses(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
     req = validate(ResponsesRequest, body)
     prompt = req.to_prompt()
+    one_call = one_tool_call_stop(service, req.parallel_tool_calls, prompt.parse_tools, "parallel_tool_calls")
     role_header = headers.get("x-gyre-role") or codex_role(headers)
     call = await service.prepare_chat(
         execution_id, prompt, "openai-responses", req.model, role_header,
         headers.get("user-agent", ""), session=session_of(headers),
     )  # fmt: skip
     sampling = sampling_for(
-        service, call, req.temperature, req.top_p, req.max_output_tokens, None, "max_output_tokens"
+        service, call, req.temperature, req.top_p, req.max_output_tokens, None, "max_output_tokens", one_call
     )
     gen, slot = await begin(service, call, sampling, prompt.parse_tools, [], "call_", req.stream)
     shell = _Shell("resp_" + call.call_id.replace("-", ""), req)
@@ -123,10 +126,11 @@ async def responses(service: Any, execution_id: str, body: Any, headers: dict[st
         return sse(_stream(gen, shell), gen, slot, _error_event)
     outcome = await complete(gen, slot)
     output: list[dict[str, Any]] = []
+    status = _status(outcome)
     if outcome.content or not outcome.tool_calls:
-        output.append(_message_item(_item_id("msg"), outcome.content))
+        output.append(_message_item(_item_id("msg"), outcome.content, status))
     output.extend(_call_item(_item_id("fc"), c) for c in outcome.tool_calls)
-    return JSONResponse(shell.state(_status(outcome), output, outcome))
+    return JSONResponse(shell.state(status, output, outcome))
 
 
 class _Events:
@@ -189,8 +193,9 @@ async def _stream(gen: Generation, shell: _Shell) -> AsyncIterator[str]:
         if tail:
             text += tail
             yield delta(tail)
+    status = _status(outcome)
     if opened:
-        item = _message_item(msg_id, text)
+        item = _message_item(msg_id, text, status)
         yield event(
             "response.output_text.done",
             item_id=msg_id,
@@ -221,6 +226,5 @@ async def _stream(gen: Generation, shell: _Shell) -> AsyncIterator[str]:
         item = _call_item(fc_id, call)
         yield event("response.output_item.done", output_index=index, item=item)
         output.append(item)
-    status = _status(outcome)
     kind = "response.completed" if status == "completed" else "response.incomplete"
     yield event(kind, response=shell.state(status, output, outcome))

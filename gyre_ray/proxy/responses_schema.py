@@ -3,6 +3,8 @@
 `input` is a string (one user message) or a list of items: messages (`role` user / system /
 developer / assistant, content a string or `input_text` / `output_text` parts), `function_call`
 items (an earlier output's tool calls) and `function_call_output` items (their results).
+Content parts other than text (`input_image`, `input_file`, `input_audio`, ...), in messages or in
+a `function_call_output`'s output, are a 400: the policy reads text only.
 `instructions` becomes the first system message. An assistant message and the function calls that
 follow it form one assistant turn, as the policy produced them, so the recorded output is spliced
 back token-exact. `reasoning` items, non-function tools (Codex's `web_search`, `custom`, ...) and
@@ -106,22 +108,26 @@ class ResponsesRequest(Lenient):
         return ChatPrompt(messages=messages, tools=tools, parse_tools=parse)
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, field: str = "content") -> str:
+    """The text of `content` (a string or text parts); `where.field` names it in errors."""
+    at = f"{where}.{field}"
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of content parts", f"{where}.content")
+        raise bad_request(f"{at} must be a string or a list of content parts", at)
     texts = []
     for j, raw in enumerate(content):
         if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+            raise bad_request(f"{at}.{j} must be a content part with a type", f"{at}.{j}")
+        kind = raw["type"]
+        if kind not in TEXT_PARTS:  # input_image, input_file, input_audio, ...: never silently dropped
             raise bad_request(
-                f"{where}.content.{j} must be a content part with a type", f"{where}.content.{j}"
+                f"{at}.{j}: {kind} parts are not supported by this text-only policy", f"{at}.{j}"
             )
-        part = ContentPart.model_validate(raw) if raw.get("type") in TEXT_PARTS else None
-        if part is not None:
-            texts.append(part.text if part.text is not None else part.refusal or "")
+        part = ContentPart.model_validate(raw)
+        texts.append(part.text if part.text is not None else part.refusal or "")
     return "\n".join(texts)
 
 
@@ -154,7 +160,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
                 f"{where}.call_id is required for a function_call_output item", f"{where}.call_id"
             )
         output = item.get("output", "")
-        text = output if isinstance(output, str) else _text(output, where)
+        text = output if isinstance(output, str) else _text(output, where, "output")
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
     elif kind == "reasoning" or kind == "item_reference":
         return  # the policy has no hidden reasoning to resume; references need stored state
