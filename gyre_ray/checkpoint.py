@@ -2,6 +2,7 @@
 
     path = save(run_dir, step, write_trainer, state)   # <run_dir>/checkpoints/step-000004
     path = latest(run_dir)                               # the newest complete one, or None
+    path = latest_good(run_dir, warn=print)              # the newest whose files read (resume uses it)
     state = load_state(path)                             # {"step": 4, "version": 4, ...}
     trainer_dir(path)                                    # HF folder + trainer_state.pt (optimizer, RNG)
 
@@ -11,6 +12,9 @@ and `state.json` (the run's counters: step, version, the seed, the task cursor, 
 the caller adds). It is built in a hidden `.step-<N>.partial-*` folder, `state.json` last, and
 renamed into place only when complete, so `latest` never sees half a checkpoint; partial folders
 left by a crash are ignored (and removed by the next `save`). `save` keeps the newest `keep` ones.
+A complete checkpoint can still be damaged afterwards (a file deleted or cut short): `problem` reads
+its files' headers (no tensor is loaded) and `latest_good` / `require_good` skip one that does not
+read, saying why, so a resume starts from the newest checkpoint that loads.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import re
 import secrets
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,6 +113,60 @@ def require_latest(run_dir: str | Path) -> Path:
         raise CheckpointError(
             f"{run_dir} holds no complete checkpoint under {CHECKPOINTS}/ "
             "(run.checkpoint_every > 0 writes one every N steps and at the end)"
+        )
+    return path
+
+
+def problem(checkpoint: str | Path) -> str | None:
+    """What makes a complete checkpoint unloadable, in a few words, or None when its files read: its
+    state.json parses with a `step`; `trainer/` holds a parseable model config.json, model.safetensors
+    (or an index and its shards) whose headers read and cover the file, and a non-empty, whole
+    trainer_state*.pt (a torch zip archive). Reads headers only, no tensors (no Ray)."""
+    checkpoint = Path(checkpoint)
+    try:
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        int(state["step"])
+    except FileNotFoundError:
+        return f"no {STATE_FILE}"
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        return f"{STATE_FILE} does not read ({type(exc).__name__}: {exc})"
+    folder = checkpoint / TRAINER_DIR
+    try:
+        from gyre_ray.model.checkpoint import check_hf_folder
+
+        check_hf_folder(folder)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    states = sorted(folder.glob("trainer_state*.pt"))
+    if not states:
+        return f"no trainer_state.pt (optimizer state) in {folder}"
+    for path in states:
+        if path.stat().st_size == 0:
+            return f"{path} is empty"
+        if not zipfile.is_zipfile(path):
+            return f"{path} is not a whole torch file (cut short?)"
+    return None
+
+
+def latest_good(run_dir: str | Path, warn: Callable[[str], Any] | None = None) -> Path | None:
+    """The newest complete checkpoint whose files read (`problem`), or None; each newer damaged one is
+    skipped, with a line to `warn` naming it and what is wrong."""
+    for path in reversed(complete_checkpoints(run_dir)):
+        why = problem(path)
+        if why is None:
+            return path
+        if warn is not None:
+            warn(f"gyre-ray: warning: skipping damaged checkpoint {path}: {why}")
+    return None
+
+
+def require_good(run_dir: str | Path, warn: Callable[[str], Any] | None = None) -> Path:
+    """`latest_good`, or a CheckpointError saying why there is nothing to resume from."""
+    newest = require_latest(run_dir)
+    path = latest_good(run_dir, warn)
+    if path is None:
+        raise CheckpointError(
+            f"no checkpoint of {run_dir} loads (the newest, {newest.name}: {problem(newest)})"
         )
     return path
 

@@ -4,8 +4,11 @@ The newest complete checkpoint (`gyre_ray.checkpoint.latest`) says where the run
 (updates done). Before the run goes on, what the folder holds of steps >= S (a crashed segment's call
 records, workspaces, metric rows and evaluation rounds after the checkpoint) is moved under
 `abandoned/<time>/`, so the store never appends to an old record file and every figure counts each
-step once. When the run ends, its trace, spans and switch events are merged after those of the
-earlier segment (times shifted to follow it), so `gyre-ray report` draws the whole run.
+step once. A step before S whose metrics row the killed driver never wrote (it died between the
+checkpoint and its next poll) gets its row back from the scheduler's journal (its `published` event)
+or from the checkpoint's `state.json`, before the new segment's scheduler starts the journal afresh.
+When the run ends, its trace, spans and switch events are merged after those of the earlier segment
+(times shifted to follow it), so `gyre-ray report` draws the whole run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.checkpoint import STATE_FILE, complete_checkpoints
 from gyre_ray.evaluation import EVAL_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
 
@@ -57,11 +61,57 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
                 shutil.move(str(path), str(aside / folder / path.name))
                 moved += 1
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        _write_jsonl(metrics, [r for r in _read_jsonl(metrics) if r["step"] < first_step])
+    kept = [r for r in _read_jsonl(metrics) if r["step"] < first_step]
+    recovered = lost_step_rows(run_dir, first_step, kept)
+    if metrics.is_file() or recovered:
+        _write_jsonl(metrics, sorted(kept + recovered, key=lambda r: r["step"]))
     if (run_dir / EVAL_FILE).is_file():
         _write_jsonl(run_dir / EVAL_FILE, kept_eval)
-    return {"moved": moved, "to": str(aside) if moved else None}
+    return {"moved": moved, "to": str(aside) if moved else None, "recovered": [r["step"] for r in recovered]}
+
+
+JOURNAL_FILE = "scheduler-journal.jsonl"  # gyre_ray.runtime.journal.JOURNAL_NAME (not imported: no Ray here)
+
+
+def lost_step_rows(
+    run_dir: str | Path, first_step: int, logged: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The metrics rows of steps < `first_step` that were published but are not in `logged` (the
+    driver died before it polled them): from the last segment's scheduler journal (`published`
+    events), else from a checkpoint's `state.json` (`metrics`, the row of the step it ends). Their
+    times are moved onto the run's clock as the driver would have; each step comes back once."""
+    run_dir = Path(run_dir)
+    have = {int(r["step"]) for r in logged}
+    header: dict[str, Any] = {}
+    found: dict[int, dict[str, Any]] = {}
+    for event in json_lines(run_dir / JOURNAL_FILE):  # the journal holds the last segment only
+        if "run" in event:
+            header, found = event["run"], {}
+        elif "published" in event and isinstance(event.get("metrics"), dict):
+            found[int(event["metrics"].get("step", event["published"]))] = event["metrics"]
+    journaled = dict(found)
+    for path in complete_checkpoints(run_dir):
+        row = json_object(path / STATE_FILE, {}).get("metrics")
+        if isinstance(row, dict) and "step" in row:
+            found.setdefault(int(row["step"]), row)
+    lost = sorted(s for s in found if s < first_step and s not in have)
+    if not lost:
+        return []
+    segment_start = int(header.get("first_step", 0))
+    offset = _journal_offset(run_dir, segment_start, journaled, logged)
+    return [{**shift(found[s], ("published_at_s",), offset), "step": s} for s in lost]
+
+
+def _journal_offset(
+    run_dir: Path, segment_start: int, journaled: dict[int, dict[str, Any]], logged: list[dict[str, Any]]
+) -> float:
+    """The seconds the driver added to the journaled segment's times: read off a step both the journal
+    and metrics.jsonl hold, else what `segment_offset` gives for that segment's start (0 for step 0)."""
+    for row in logged:
+        twin = journaled.get(int(row["step"]))
+        if twin is not None and "published_at_s" in row and "published_at_s" in twin:
+            return round(float(row["published_at_s"]) - float(twin["published_at_s"]), 4)
+    return segment_offset(run_dir, segment_start) if segment_start else 0.0
 
 
 def earlier_steps(run_dir: str | Path, first_step: int) -> list[dict[str, Any]]:

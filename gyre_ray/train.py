@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.checkpoint import latest as latest_checkpoint
-from gyre_ray.checkpoint import load_state, require_latest, trainer_dir
+from gyre_ray.checkpoint import latest_good, load_state, require_good, trainer_dir
 from gyre_ray.config import GyreConfig, load_config
 from gyre_ray.evaluation import format_eval, read_eval, reward_text, split_tasks
 from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
+from gyre_ray.resume_checks import check_checkpoint_model, check_resume_settings, keep_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,8 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--resume",
         default=None,
         metavar="RUN_DIR",
-        help="continue this run folder from its newest checkpoint, with its config (overrides apply, "
-        "e.g. run.steps=8 to go on to step 8)",
+        help="continue this run folder from its newest good checkpoint, with its config (overrides apply, "
+        "e.g. run.steps=8 to go on to step 8; model.path/preset/dtype, agents.task_set and "
+        "run.tasks_per_step cannot change: docs/checkpoints.md)",
     )
     parser.add_argument(
         "--attach",
@@ -135,6 +137,9 @@ def train(
     from gyre_ray.warmup.sft import prepare_policy
 
     live, restarts = None, []
+    progress = {"restored": resume is None}  # a resume changes the folder's config only once restored
+    if resume is not None:
+        check_resume_settings(cfg, resume)  # what a resume may not change, before the warm-up looks
     if attach is not None:  # config.json holds the prepared policy already
         run_dir = Path(attach).resolve()
         live = live_run.attach(cfg, run_dir)
@@ -146,12 +151,22 @@ def train(
     if resume is not None:
         run_dir = Path(resume).resolve()
         live_run.refuse_if_alive(cfg, run_dir)
-        start = _resume_folder(cfg, run_dir, require_latest(run_dir))
+        checkpoint = require_good(run_dir, warn=_say)  # a damaged newest one is skipped, said
+        check_checkpoint_model(cfg, checkpoint)
+        start = _resume_folder(cfg, run_dir, checkpoint)
     elif attach is None:
         run_dir, start = new_run_dir(cfg), None
     try:
-        summary = _run_segments(cfg, run_dir, start, restarts, (engine_factory, execute), live)
+        summary = _run_segments(cfg, run_dir, start, restarts, (engine_factory, execute), live, progress)
     except BaseException as exc:
+        if not progress["restored"]:  # the folder is as it was: its plain `--resume` still applies
+            print(
+                f"gyre-ray: the resume failed before its checkpoint was restored; {run_dir}/config.json "
+                "is unchanged (a plain `--resume` starts from the same checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
         note_failure(run_dir, exc)
         raise
     failure = nothing_scored(summary["steps"])
@@ -182,6 +197,10 @@ def nothing_scored(steps: list[dict[str, Any]]) -> str | None:
 
 
 FAILED_FILE = "failed.json"
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def check_model_path(cfg: GyreConfig) -> None:
@@ -230,7 +249,7 @@ def note_failure(run_dir: Path, exc: BaseException, quiet: bool = False) -> None
         return
     if quiet:
         return
-    saved = latest_checkpoint(run_dir)
+    saved = latest_good(run_dir)
     then = (
         f"`gyre-ray train --resume {run_dir}` continues from step {int(load_state(saved)['step'])}"
         if saved is not None
@@ -246,13 +265,14 @@ def _run_segments(
     restarts: list[dict[str, Any]],
     factories: tuple[Any, Any],
     live: Any,
+    progress: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """`_run_segment` until one ends the run, restarting from the newest checkpoint when the core dies."""
     from gyre_ray.core_restart import CoreLost, describe, restart_row
 
     while True:
         try:
-            return _run_segment(cfg, run_dir, start, restarts, factories, live)
+            return _run_segment(cfg, run_dir, start, restarts, factories, live, progress)
         except CoreLost as lost:
             live = None
             limit = cfg.run.max_core_restarts
@@ -264,7 +284,7 @@ def _run_segments(
             row = restart_row(run_dir, lost, len(restarts) + 1)
             restarts.append(row)
             print(describe(row, limit), flush=True)
-            start = _resume_folder(cfg, run_dir, latest_checkpoint(run_dir))
+            start = _resume_folder(cfg, run_dir, latest_good(run_dir, warn=_say))
 
 
 def _run_segment(
@@ -274,10 +294,13 @@ def _run_segment(
     restarts: list[dict[str, Any]],
     factories: tuple[Any, Any],
     live: Any = None,
+    progress: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """One runtime's part of the run: from `start` ((checkpoint or None, first step, time offset);
     None = a new run) to the end; raises `CoreLost` when the core cell dies on the way. `live`: the
-    `LiveRun` attached to (its runtime runs already); `factories`: (engine_factory, execute)."""
+    `LiveRun` attached to (its runtime runs already); `factories`: (engine_factory, execute).
+    A resumed segment writes its config into config.json once the checkpoint is restored (and sets
+    `progress["restored"]`); the earlier segment's goes to config.segment-<k>.json if it differs."""
     import ray
 
     from gyre_ray import live_run
@@ -289,6 +312,7 @@ def _run_segment(
 
     engine_factory, execute = factories
     checkpoint_in, first_step, offset = start or (None, 0, 0.0)
+    config_text = cfg.model_dump_json(indent=2)
     cfg = cfg.model_copy(
         update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(run_dir / "records")})}
     )
@@ -314,6 +338,10 @@ def _run_segment(
             if checkpoint_in is not None and live is None:
                 version = runtime.restore(checkpoint_in)
                 print(f"gyre-ray: resumed from {checkpoint_in} (step {first_step}, weights v{version})")
+            if start is not None and live is None:
+                keep_config(run_dir, config_text)
+            if progress is not None:
+                progress["restored"] = True
             if live is not None:
                 print(
                     f"gyre-ray: attached to the live run; {live.logged} of its step(s) logged before",
@@ -377,6 +405,13 @@ def _resume_folder(cfg: GyreConfig, run_dir: Path, checkpoint: Path | None) -> t
             f"gyre-ray: warning: {run_dir} ran with run.seed={saved_seed}, resumed with run.seed={cfg.run.seed}: "
             "steps from here draw other task samples and harness seeds than the first run would have"
         )
+    cursor = state.get("task_cursor")
+    if cursor is not None and int(cursor) != first_step * cfg.run.tasks_per_step:
+        raise ConfigError(
+            f"run.tasks_per_step cannot change on resume: {checkpoint} saved task cursor {cursor} at step "
+            f"{first_step} (run.tasks_per_step={int(cursor) // max(first_step, 1)}), given "
+            f"run.tasks_per_step={cfg.run.tasks_per_step}"
+        )
     if first_step >= cfg.run.steps:
         raise ConfigError(
             f"{run_dir} has done {first_step} step(s), run.steps={cfg.run.steps}: nothing to resume "
@@ -388,7 +423,11 @@ def _resume_folder(cfg: GyreConfig, run_dir: Path, checkpoint: Path | None) -> t
         print(
             f"gyre-ray: {aside['moved']} record/workspace entries of steps >= {first_step} moved to {aside['to']}"
         )
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    if aside.get("recovered"):
+        print(
+            f"gyre-ray: metrics of step(s) {', '.join(map(str, aside['recovered']))} (published, never "
+            "logged: the driver stopped first) put back into metrics.jsonl"
+        )
     return checkpoint, first_step, offset
 
 

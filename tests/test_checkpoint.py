@@ -18,6 +18,19 @@ def _write_marker(folder: Path) -> None:
     (folder / "weights.bin").write_bytes(b"w")
 
 
+def _write_loadable(folder: Path) -> None:
+    """A trainer folder whose files read (`checkpoint.problem`): config, safetensors, trainer_state.pt."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gyre_ray.model.arch import ModelArgs
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(ModelArgs.preset("tiny").to_hf_config()))
+    save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
+    torch.save({"version": 2}, folder / "trainer_state.pt")
+
+
 def test_save_then_latest_finds_the_newest_complete_checkpoint(tmp_path: Path) -> None:
     assert checkpoint.latest(tmp_path) is None
     first = checkpoint.save(tmp_path, 2, _write_marker, {"version": 2}, keep=0)
@@ -150,7 +163,10 @@ def test_resume_and_eval_commands_say_what_is_wrong(tmp_path: Path, capsys: pyte
     assert "no complete checkpoint" in capsys.readouterr().err
     assert main(["eval", "--model-dir", str(tmp_path / "records")]) == 2
     assert "not an HF model folder" in capsys.readouterr().err
-    checkpoint.save(tmp_path, 2, _write_marker, {})
+    checkpoint.save(tmp_path, 2, _write_marker, {})  # complete, but its trainer/ holds no model
+    assert main(["train", "--resume", str(tmp_path), "run.steps=3"]) == 2
+    assert "cannot resume: no checkpoint of" in capsys.readouterr().err
+    checkpoint.save(tmp_path, 2, _write_loadable, {})
     assert main(["train", "--resume", str(tmp_path), "run.steps=2"]) == 2
     assert "nothing to resume (give run.steps=3 or more" in capsys.readouterr().err
 

@@ -22,6 +22,7 @@ cell restarted with the current weights).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable
@@ -594,7 +595,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         if self.checkpoint_every and (
             self.updates % self.checkpoint_every == 0 or self.updates == self.steps
         ):
-            metrics["checkpoint_s"] = self._checkpoint()
+            metrics["checkpoint_s"] = self._checkpoint(metrics)
         self.step_metrics.append(metrics)
         self.journal.published(update.batch, update.version, metrics)
         self.live.step_done(metrics)
@@ -610,9 +611,11 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         self.policy = policy_from_section(self.cfg.scheduler, len(self.views), fit.prior())
         return fit.summary()
 
-    def _checkpoint(self) -> float:
+    def _checkpoint(self, metrics: dict[str, Any]) -> float:
         """Write the run's checkpoint now, right after an update is published (the core is idle then);
-        returns the seconds it took (the loop waits; the cells keep generating).
+        returns the seconds it took (the loop waits; the cells keep generating). `state.json` keeps
+        the step's `metrics` row too: a driver killed before it polled the row loses it nowhere
+        (`gyre_ray.resume.lost_step_rows` puts it back into metrics.jsonl on resume).
         With eta = 0 nothing of the next step has started, so a resume replays the run exactly; with
         eta > 0 the later steps' executions under way are not saved and a resume runs them again."""
         from gyre_ray.checkpoint import save
@@ -628,6 +631,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
             "later_executions_started": started,
             "exact": started == 0,
             "costs": dataclasses.asdict(self.costs),
+            "metrics": json.loads(json.dumps(metrics, default=str)),  # the journal's row, as JSON
         }
         since = time.monotonic()
         save(self.run_dir, self.updates, lambda folder: ray.get(core.save.remote(str(folder)), timeout=600),
