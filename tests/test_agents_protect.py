@@ -49,6 +49,8 @@ def test_every_tasks_hidden_tests_and_their_git_repository_are_closed(tmp_path: 
 def test_files_a_uid_left_deep_in_shared_scratch_are_removed(tmp_path: Path) -> None:
     shared = tmp_path / "tmp/ray/session_1/logs"
     shared.mkdir(parents=True)
+    for folder in (shared, shared.parent, shared.parent.parent):
+        folder.chmod(0o777)  # as Ray leaves its session folders: anyone may write there
     mine, theirs = shared / "leak.txt", shared / "ray.log"
     for path in (mine, theirs):
         path.write_text("x")
@@ -59,5 +61,10 @@ def test_files_a_uid_left_deep_in_shared_scratch_are_removed(tmp_path: Path) -> 
     for path in (mine, shared / "nested", shared / "nested/deeper.txt"):
         os.chown(path, uid, -1)
     os.chown(shared / "link", uid, -1, follow_symlinks=False)
+    closed = tmp_path / "tmp/closed"
+    closed.mkdir(mode=0o700)  # the uid could not reach in here: not read at all
+    (closed / "other.txt").write_text("x")
+    os.chown(closed / "other.txt", uid, -1)
     _remove_scratch(uid, (str(tmp_path / "tmp"),))
     assert sorted(p.name for p in shared.iterdir()) == ["ray.log"]  # the link went, not its target
+    assert (closed / "other.txt").exists()

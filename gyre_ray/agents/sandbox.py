@@ -27,6 +27,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -189,36 +190,48 @@ def reclaim(identity: Identity) -> None:
             for folder in identity.folders:
                 if folder.exists():
                     _chown_tree(folder, os.geteuid(), os.getegid())
-            _remove_scratch(identity.uid)
+            _remove_scratch(identity.uid, gid=identity.gid)
     finally:
         identity.release()
 
 
-def _remove_scratch(uid: int, roots: tuple[str, ...] = SCRATCH_DIRS) -> None:
+def _remove_scratch(uid: int, roots: tuple[str, ...] = SCRATCH_DIRS, gid: int | None = None) -> None:
     """Remove whatever `uid` owns anywhere under the shared scratch folders, at any depth (a file the
     execution left in a world-writable folder such as /tmp/ray/ would reach the slot's next holder).
-    Links are removed, never followed; folders we cannot list are skipped."""
-    for root in roots:
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-            for name in list(dirnames):
-                path = os.path.join(dirpath, name)
-                try:
-                    if os.lstat(path).st_uid != uid:
-                        continue
-                    dirnames.remove(name)
-                    if os.path.islink(path):
-                        os.unlink(path)
+    Links are removed, never followed. Only what the uid could reach is read: folders it may not
+    traverse are skipped, and only the entries of folders it may write are looked at (a full walk of
+    a busy /tmp took 0.6 s per execution)."""
+    stack = list(roots)
+    while stack:
+        folder = stack.pop()
+        try:
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or not _may(st, uid, gid, 0o1):
+                continue
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        writable = _may(st, uid, gid, 0o2)
+        for entry in entries:
+            try:
+                if writable and entry.stat(follow_symlinks=False).st_uid == uid:
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path, ignore_errors=True)
                     else:
-                        shutil.rmtree(path, ignore_errors=True)
-                except OSError:
-                    continue
-            for name in filenames:
-                path = os.path.join(dirpath, name)
-                try:
-                    if os.lstat(path).st_uid == uid:
-                        os.unlink(path)
-                except OSError:
-                    continue
+                        os.unlink(entry.path)
+                elif entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+            except OSError:
+                continue
+
+
+def _may(st: os.stat_result, uid: int, gid: int | None, bit: int) -> bool:
+    """Whether `uid` (primary group `gid`) has permission `bit` (1 = x, 2 = w) on a file of status `st`."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & (bit << 6))
+    if gid is not None and st.st_gid == gid:
+        return bool(st.st_mode & (bit << 3))
+    return bool(st.st_mode & bit)
 
 
 def harness_env(
