@@ -112,6 +112,14 @@ def test_text_assembler_withholds_tool_call_markup_and_drops_stop_ids():
     assert shown == "hi " and asm.content == "hi " and asm.tail == "<t>x"
 
 
+def test_text_assembler_holds_trailing_whitespace_only_while_watching_for_tool_calls():
+    plain, ids = _assembler()
+    assert plain.feed([ids[c] for c in "hi  "]) == "hi  "  # a plain stream shows spaces as they come
+    watching, ids = _assembler(markers=["<t>"])
+    assert watching.feed([ids[c] for c in "hi  "]) == "hi"  # they may be the separator before a call
+    assert watching.feed([ids["x"]]) == "  x"
+
+
 def test_text_assembler_waits_for_incomplete_utf8():
     pieces = {1: "h", 2: "\ufffd", 3: "é"}
 

@@ -4,9 +4,10 @@
 first stop string (the string itself is not shown), and, when tool calls are parsed, withholds
 everything from the first tool-call marker on (it becomes structured tool calls at the end). Text
 that might still turn out to be the start of a stop string or marker is held until it cannot, and
-trailing whitespace is held until non-whitespace follows or the text ends (so the caller can still
-drop the template's separator before a tool call, which is not part of the text: `finish()` returns
-just that whitespace when a marker ended the visible text).
+trailing whitespace is held, while tool-call markers are watched, until non-whitespace follows or
+the text ends (so the caller can still drop the template's separator before a tool call, which is
+not part of the text: `finish()` returns just that whitespace when a marker ended the visible
+text). Without markers whitespace goes out as it comes.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class TextAssembler:
             end = len(self.text)
         else:
             end = len(self.text) - self._partial_suffix()
-        if not final:  # trailing whitespace waits for what follows it
+        if not final and self.markers:  # trailing whitespace waits: it may precede a tool call
             end = len(self.text[:end].rstrip())
         if end <= self.emitted:
             return ""
