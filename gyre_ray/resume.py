@@ -23,6 +23,7 @@ from typing import Any
 from gyre_ray.checkpoint import STATE_FILE, complete_checkpoints
 from gyre_ray.evaluation import EVAL_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
+from gyre_ray.runtime.journal import JOURNAL_NAME
 
 _TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
 _EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
@@ -70,9 +71,6 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
     return {"moved": moved, "to": str(aside) if moved else None, "recovered": [r["step"] for r in recovered]}
 
 
-JOURNAL_FILE = "scheduler-journal.jsonl"  # gyre_ray.runtime.journal.JOURNAL_NAME (not imported: no Ray here)
-
-
 def lost_step_rows(
     run_dir: str | Path, first_step: int, logged: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -84,7 +82,7 @@ def lost_step_rows(
     have = {int(r["step"]) for r in logged}
     header: dict[str, Any] = {}
     found: dict[int, dict[str, Any]] = {}
-    for event in json_lines(run_dir / JOURNAL_FILE):  # the journal holds the last segment only
+    for event in json_lines(run_dir / JOURNAL_NAME):  # the journal holds the last segment only
         if "run" in event:
             header, found = event["run"], {}
         elif "published" in event and isinstance(event.get("metrics"), dict):

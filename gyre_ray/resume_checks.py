@@ -15,6 +15,7 @@ from typing import Any
 
 from gyre_ray.checkpoint import trainer_dir
 from gyre_ray.config import GyreConfig
+from gyre_ray.proxy.store_files import json_object
 
 # What a resume may not change: the weights and optimizer state are the checkpoint's (architecture,
 # dtype), and step S's tasks are `plan_step`'s pick from S x run.tasks_per_step of agents.task_set.
@@ -39,9 +40,8 @@ def check_resume_settings(cfg: GyreConfig, run_dir: str | Path) -> None:
     from gyre_ray.config import ConfigError
 
     path = Path(run_dir) / "config.json"
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
+    saved = json_object(path)
+    if saved is None:
         return  # resume_config says what is wrong with the folder
     new = json.loads(cfg.model_dump_json())
     for key in FIXED_ON_RESUME:

@@ -31,6 +31,7 @@ from gyre_ray.checkpoint import complete_checkpoints, load_state
 from gyre_ray.live_run import LIVE_FILE, driver_state
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.train import FAILED_FILE, NOTHING_SCORED
+from gyre_ray.trajectory.records import is_int
 
 FIRST_LAST = 3  # steps averaged at each end of the reward
 
@@ -103,16 +104,10 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _steps_configured(folder: Path) -> int | None:
-    try:
-        steps = json.loads((folder / "config.json").read_text())["run"]["steps"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return steps if _is_int(steps) and steps >= 0 else None
+    run = json_object(folder / "config.json", {}).get("run")
+    steps = run.get("steps") if isinstance(run, dict) else None
+    return steps if is_int(steps) and steps >= 0 else None
 
 
 def _rewards(path: Path, notes: list[str]) -> tuple[int, list[float]]:
@@ -146,7 +141,7 @@ def _checkpoint_step(folder: Path, notes: list[str]) -> int | None:
         step = load_state(checkpoints[-1]).get("step", 0)
     except (OSError, ValueError, AttributeError):
         step = None
-    if not _is_int(step):
+    if not is_int(step):
         notes.append(f"{checkpoints[-1].name}: its state.json holds no step number")
         return None
     return step
@@ -203,7 +198,7 @@ def describe_run(folder: Path) -> dict[str, Any]:
 
 def _driver(driver: Any, notes: list[str]) -> Any:
     """live-run.json's driver as `driver_state` reads it: a pid that is no number is noted, not looked up."""
-    if isinstance(driver, dict) and "pid" in driver and not _is_int(driver["pid"]):
+    if isinstance(driver, dict) and "pid" in driver and not is_int(driver["pid"]):
         notes.append(f"{LIVE_FILE}: driver pid {_short(driver['pid'])} is not a number")
         return None
     return driver

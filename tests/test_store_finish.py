@@ -227,6 +227,9 @@ def test_after_finish_a_call_with_the_key_is_refused_and_not_recorded(tmp_path, 
 
 
 def test_after_finish_the_replica_that_served_the_execution_refuses_its_key_too(tmp_path) -> None:
+    """With the default KEY_TTL_S (the test above sets 0): the replica the finish went through forgets
+    the key at once, not after its cache lifetime."""
+
     async def scenario() -> int:
         lp = await build_local_proxy(CODEC, ScriptedEngineFactory(), tmp_path, num_cells=1)
         created = lp.register_execution("exec-a")

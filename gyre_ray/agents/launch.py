@@ -21,8 +21,8 @@ from gyre_ray.agents.harnesses import build_harness
 from gyre_ray.agents.runner import Endpoint, ExecutionOutcome, run_execution
 from gyre_ray.agents.sandbox import (
     Limits,
-    can_create_users,
     close_hidden_tests,
+    own_uids,
     protect_job_folders,
     protect_ray_credentials,
 )
@@ -56,8 +56,7 @@ def limits_of(cfg: AgentSection) -> Limits:
 
 def runs_as_root(cfg: AgentSection) -> bool:
     """Whether the harness will run with uid 0 (the job is root and has no uid of its own to give it)."""
-    own_uid = cfg.isolation == "user" or (cfg.isolation == "auto" and can_create_users())
-    return os.geteuid() == 0 and not own_uid
+    return os.geteuid() == 0 and not own_uids(cfg.isolation)
 
 
 def run_planned_execution(
@@ -76,15 +75,14 @@ def run_planned_execution(
     start = time.monotonic()
     try:
         cfg = AgentSection(**section)
-        task = next(t for t in get_task_set(task_set) if t.task_id == task_id)
+        tasks = get_task_set(task_set)
+        task = next(t for t in tasks if t.task_id == task_id)
         path = Path(workspace)
         if cfg.isolation != "none":
             protect_job_folders(path.parent)
-            protect_ray_credentials()
-            if cfg.isolation == "user" or can_create_users():  # a uid per execution: close every task's tests
-                close_hidden_tests(
-                    [h for t in get_task_set(task_set) if (h := getattr(t.evaluate, "hidden", None))]
-                )
+            protect_ray_credentials()  # on every node that runs executions (chmods: cheap)
+            if own_uids(cfg.isolation):  # close every task's tests, not only this one's
+                close_hidden_tests([h for t in tasks if (h := getattr(t.evaluate, "hidden", None))])
         home = path.parent / f"{path.name}.home"
         spec = build_harness(
             cfg.harness, task.prompt, base_url=endpoint.base_url, workspace=path, home=home,

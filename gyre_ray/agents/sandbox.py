@@ -105,12 +105,18 @@ def _ensure_user(name: str) -> pwd.struct_passwd:
     return pwd.getpwnam(name)
 
 
+def own_uids(isolation: str) -> bool:
+    """Whether `isolation` gives each execution a uid of its own here (`user`, or `auto` with root and
+    useradd)."""
+    return isolation == "user" or (isolation == "auto" and can_create_users())
+
+
 def acquire_identity(isolation: str) -> Identity:
     """An identity for one execution. `user`: a pool uid (error without root); `auto`: a pool uid where
     possible, else the job's; `none`: the job's uid."""
     if isolation not in ("auto", "user", "none"):
         raise ValueError(f"isolation must be auto, user or none, got {isolation!r}")
-    if isolation == "none" or (isolation == "auto" and not can_create_users()):
+    if not own_uids(isolation):
         me = pwd.getpwuid(os.geteuid())
         return Identity(os.geteuid(), os.getegid(), me.pw_name, dedicated=False)
     if not can_create_users():

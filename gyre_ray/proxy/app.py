@@ -217,16 +217,18 @@ def build_app(service: Any) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await model_call(request, openai_api.completions)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
+    async def require_key_or_admin(request: Request) -> None:
         if not any(service.is_admin(k) for k in _credentials(request)):
             await execution_of(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        await require_key_or_admin(request)
         return openai_api.models(service)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
-        if not any(service.is_admin(k) for k in _credentials(request)):
-            await execution_of(request)
+        await require_key_or_admin(request)
         return openai_api.model(service, model_id)
 
     @app.post("/v1/responses")

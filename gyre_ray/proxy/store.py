@@ -256,12 +256,7 @@ class TrajectoryStore:
 
     def _append_file(self, ex: _Execution, records: list[CallRecord]) -> None:
         self.records_dir.mkdir(parents=True, exist_ok=True)
-        path = self._path(ex)
-        if not path.exists():
-            ex.chunks.clear()
-        with open(path, "a", encoding="utf-8") as fh:
-            for record in records:
-                fh.writelines(record.to_file_lines(ex.chunks))
+        store_files.append_records(self._path(ex), records, False, ex.chunks)
         ex.spilled += len(records)
 
     def _spill(self, ex: _Execution) -> None:

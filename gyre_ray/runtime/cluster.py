@@ -81,9 +81,9 @@ def connect_ray(config: GyreConfig) -> bool:
 def warn_if_sandboxes_reach_ray(config: GyreConfig) -> None:
     """Executions run as sandbox uids on this host, but with Ray's token auth off nothing stops their
     code from talking to the cluster's ports here (docs/harnesses.md, "Isolation"): say so."""
-    from gyre_ray.agents.sandbox import can_create_users, protect_ray_credentials
+    from gyre_ray.agents.sandbox import own_uids, protect_ray_credentials
 
-    if config.agents.isolation == "none" or not (config.agents.isolation == "user" or can_create_users()):
+    if not own_uids(config.agents.isolation):
         return
     protect_ray_credentials()  # the token Ray just wrote, readable by all
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":

@@ -49,9 +49,7 @@ def chunked_lines(
             lines.append(json.dumps({"chunk": name, "ids": piece}, separators=(",", ":")) + "\n")
             written.add(name)
         names.append(name)
-    fields = dict(record_fields)
-    fields["input_ids"] = ids[whole * CHUNK_TOKENS :]
-    fields = {"input_chunks": names, **fields}
+    fields = {"input_chunks": names, **record_fields, "input_ids": ids[whole * CHUNK_TOKENS :]}
     lines.append(json.dumps(fields, separators=(",", ":"), default=default) + "\n")
     return lines
 

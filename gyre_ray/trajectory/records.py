@@ -58,7 +58,8 @@ class RecordError(ValueError):
     """A call record that cannot be trusted; the message names the record and the offending field."""
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An `int` that is not a bool (JSON integers)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -132,7 +133,7 @@ class CallRecord:
                 raise RecordError(f"{where}: {name} must be a non-empty string, got {value!r}")
         if self.role not in ROLES:
             raise RecordError(f"{where}: role {self.role!r} is not one of {', '.join(ROLES)}")
-        if vocab_size is not None and (not _is_int(vocab_size) or vocab_size < 1):
+        if vocab_size is not None and (not is_int(vocab_size) or vocab_size < 1):
             raise RecordError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         if not isinstance(self.input_ids, list) or not self.input_ids:
             raise RecordError(f"{where}: input_ids must be a non-empty list of token ids")
@@ -143,7 +144,7 @@ class CallRecord:
             if _ids_in_range(ids, vocab_size):
                 continue  # all valid; else find the first bad item below
             for i, tok in enumerate(ids):
-                if not _is_int(tok) or tok < 0:
+                if not is_int(tok) or tok < 0:
                     raise RecordError(f"{where}: {name}[{i}] = {tok!r} is not a token id (integer >= 0)")
                 if vocab_size is not None and tok >= vocab_size:
                     raise RecordError(
@@ -165,7 +166,7 @@ class CallRecord:
                     raise RecordError(f"{where}: output_logprobs[{i}] = {lp} is a log-probability above 0")
         if not _ids_in_range(self.versions, None):
             for i, version in enumerate(self.versions):
-                if not _is_int(version) or version < 0:
+                if not is_int(version) or version < 0:
                     raise RecordError(f"{where}: versions[{i}] = {version!r} must be an integer >= 0")
         for name in ("t_start", "t_end"):
             value = getattr(self, name)

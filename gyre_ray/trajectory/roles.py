@@ -90,6 +90,8 @@ class _SeedFinder:
         self.parents = tree.continues
         self._bytes: dict[int, bytes] = {}
         self._text: dict[int, str] = {}
+        self._appended_ids: dict[int, bytes] = {}  # per continuing call: what it adds to its parent's prompt
+        self._appended_texts: dict[int, str] = {}
 
     def _prompt_bytes(self, h: int) -> bytes:
         if h not in self._bytes:
@@ -122,16 +124,24 @@ class _SeedFinder:
         prompt? A sub-agent's answer comes back to its caller that way, as a tool result; a
         compaction summary opens a new conversation instead."""
         out = self.calls[c].output_ids
-        for j in continuations:
-            if j <= c:
-                continue
-            appended = self.calls[j].input_ids[len(self.calls[self.parents[j]].input_ids) :]
-            if self._appears_in(out, _as_bytes(appended), lambda ids=appended: self._text_of(ids)):
-                return True
-        return False
+        return any(
+            self._appears_in(out, self._appended_bytes(j), lambda j=j: self._appended_text(j))
+            for j in continuations
+            if j > c
+        )
 
-    def _text_of(self, ids: list[int]) -> str:
-        return self.decode(ids) if self.decode else ""
+    def _appended(self, j: int) -> list[int]:
+        return self.calls[j].input_ids[len(self.calls[self.parents[j]].input_ids) :]
+
+    def _appended_bytes(self, j: int) -> bytes:
+        if j not in self._appended_ids:
+            self._appended_ids[j] = _as_bytes(self._appended(j))
+        return self._appended_ids[j]
+
+    def _appended_text(self, j: int) -> str:
+        if j not in self._appended_texts:
+            self._appended_texts[j] = self.decode(self._appended(j)) if self.decode else ""
+        return self._appended_texts[j]
 
     def _appears(self, out: list[int], h: int) -> bool:
         return self._appears_in(out, self._prompt_bytes(h), lambda: self._prompt_text(h))
