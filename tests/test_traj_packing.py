@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from gyre_ray.algo.gspo import step_scale
+from gyre_ray.model.tree_layout import TreeLayout
+from gyre_ray.trainers.batch import dense_attention_mask
 from gyre_ray.trajectory.batching import collate, micro_batches, pack_rows
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.trajectory.packing import expand_paths, pack_paths, split_roots
@@ -83,7 +85,10 @@ def test_attention_mask_is_exactly_ancestors_and_samples_in_a_row_are_isolated()
     width = sum(p.num_tokens for p in pieces)  # the longer row; the second row gets padding
     rows = [pieces, [samples[0]]]
     batch = collate(rows)
-    assert batch.num_executions == 3 and batch.attention_mask.shape == (2, width, width)
+    layout = batch.attention_mask  # segments, never a dense (B, T, T) tensor
+    assert isinstance(layout, TreeLayout) and (layout.batch, layout.width) == (2, width)
+    assert batch.num_executions == 3
+    dense = dense_attention_mask(batch)
     for r, row in enumerate(rows):
         parent = batch.parent_index[r].tolist()
         used = sum(s.num_tokens for s in row)
@@ -92,7 +97,7 @@ def test_attention_mask_is_exactly_ancestors_and_samples_in_a_row_are_isolated()
             expected[j, chain(parent, j)] = True
         for j in range(used, width):
             expected[j, j] = True  # padding sees only itself (no all-False rows)
-        assert torch.equal(batch.attention_mask[r], expected)
+        assert torch.equal(dense[r], expected)
     assert batch.tensors["path_weights"][0].sum().item() == pytest.approx(3.0, rel=1e-6)
     assert batch.tensors["path_mask"].sum().item() == sum(
         len(c) for s in (*pieces, samples[0]) for c in s.path_columns

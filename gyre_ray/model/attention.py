@@ -125,7 +125,8 @@ def plan_attention(mask: torch.Tensor, heads: int = 1) -> AttentionPlan:
     return AttentionPlan(tuple(blocks), q_len, key_len)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`scaled_dot_product_attention` with grouped-query heads (fewer k/v heads than q heads)."""
     if k.size(1) != q.size(1):
         if _SDPA_HAS_GQA:
             kwargs["enable_gqa"] = True
@@ -148,7 +149,7 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: A
                 keys, values = k[:, :, block.keys], v[:, :, block.keys]
             else:
                 keys, values = k.index_select(2, block.keys), v.index_select(2, block.keys)
-            out = _sdpa(q[:, :, block.start : block.stop], keys, values, attn_mask=block.mask)
+            out = sdpa_gqa(q[:, :, block.start : block.stop], keys, values, attn_mask=block.mask)
             if block.dead is not None:
                 out = out.masked_fill(block.dead, 0.0)
             outputs.append(out)
@@ -172,11 +173,11 @@ def attend(
     t = q.size(2)
     if mask is None and (past_len == 0 or t == 1):
         with fused_sdpa(q.device):
-            return _sdpa(q, k, v, is_causal=past_len == 0 and t > 1)
+            return sdpa_gqa(q, k, v, is_causal=past_len == 0 and t > 1)
     if mask is not None and t == 1:  # one decode step over padded rows: no blocks to skip
         dead = ~mask.any(-1, keepdim=True)
         with fused_sdpa(q.device):
-            out = _sdpa(q, k, v, attn_mask=(mask | dead).unsqueeze(1))
+            out = sdpa_gqa(q, k, v, attn_mask=(mask | dead).unsqueeze(1))
         return out.masked_fill(dead.unsqueeze(1), 0.0) if bool(dead.any()) else out
     if mask is None:
         plan = plan_causal(t, past_len, q.device, q.size(0), q.size(1))

@@ -2,7 +2,8 @@
 
 RMSNorm, rotary position embeddings, grouped-query attention with per-head q/k RMSNorm, SwiGLU MLP,
 tied or untied embeddings. `forward` takes explicit position ids, an arbitrary boolean attention
-mask (tree / packed / padded rows) and a `KVCache` it appends to. With no mask, attention is causal
+mask (tree / packed / padded rows) or a `TreeLayout` (tree rows as segments, planned without ever
+forming the dense mask: `gyre_ray.model.tree_attention`) and a `KVCache` it appends to. With no mask, attention is causal
 over cache + new tokens and never materialises a T x S mask for a fresh prefill, so a long
 single-sequence prefill stays within memory; a mask or a past turns into one `AttentionPlan`
 (`gyre_ray.model.attention`) per forward: query blocks of bounded size that skip invisible keys.
@@ -22,6 +23,11 @@ from gyre_ray.model.attention import AttentionPlan, attend, plan_attention, plan
 from gyre_ray.model.kv_cache import KVCache
 from gyre_ray.model.packed_kv import PackedCaches
 from gyre_ray.model.packed_linear import linear, packed
+from gyre_ray.model.tree_attention import TreePlan, plan_tree, tree_attention
+from gyre_ray.model.tree_layout import TreeLayout
+
+# What a layer's attention follows: a dense mask, a plan built from one, a tree plan, or None (causal).
+Mask = torch.Tensor | AttentionPlan | TreePlan | None
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +92,7 @@ class Qwen3Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | AttentionPlan | None,
+        mask: Mask,
         kv_cache: KVCache | PackedCaches | None,
     ) -> torch.Tensor:
         batch, t, _ = x.shape
@@ -101,6 +107,8 @@ class Qwen3Attention(nn.Module):
         if isinstance(kv_cache, PackedCaches):  # several requests side by side, each its own cache
             kv_cache.update(self.layer_idx, k, v)
             out = kv_cache.attend(q)
+        elif isinstance(mask, TreePlan):
+            out = tree_attention(q, k, v, mask)
         else:
             if kv_cache is not None:
                 past_len = kv_cache.length
@@ -135,7 +143,7 @@ class Qwen3DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | AttentionPlan | None,
+        mask: Mask,
         kv_cache: KVCache | PackedCaches | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, kv_cache)
@@ -172,7 +180,7 @@ class Qwen3ForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | TreeLayout | None = None,
         kv_cache: KVCache | PackedCaches | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states (B, T, hidden); same arguments as `forward`."""
@@ -188,7 +196,13 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(
                 f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {(batch, t)}"
             )
-        if attention_mask is not None:
+        if isinstance(attention_mask, TreeLayout):
+            if past_len or (attention_mask.batch, attention_mask.width) != (batch, t):
+                raise ValueError(
+                    f"tree layout of {attention_mask.batch} rows x {attention_mask.width} columns does "
+                    f"not fit input_ids {(batch, t)} (a tree layout takes no cached past, got {past_len})"
+                )
+        elif attention_mask is not None:
             expected = (batch, t, past_len + t)
             if tuple(attention_mask.shape) != expected:
                 raise ValueError(
@@ -209,12 +223,14 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _attention_plan(
-        self, mask: torch.Tensor | None, batch: int, t: int, past_len: int, device: torch.device
-    ) -> torch.Tensor | AttentionPlan | None:
-        """The mask as an `AttentionPlan` shared by every layer, where it has blocks to skip."""
+        self, mask: torch.Tensor | TreeLayout | None, batch: int, t: int, past_len: int, device: torch.device
+    ) -> Mask:
+        """The mask as a plan shared by every layer, where it has blocks to skip."""
+        heads = self.args.num_attention_heads
+        if isinstance(mask, TreeLayout):
+            return plan_tree(mask, heads, device)
         if t == 1 or (mask is None and past_len == 0):
             return mask  # one decode step, or a fresh causal prefill: one fused kernel call
-        heads = self.args.num_attention_heads
         if mask is None:
             return plan_causal(t, past_len, device, batch, heads)
         return plan_attention(mask, heads)
@@ -223,13 +239,14 @@ class Qwen3ForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | TreeLayout | None = None,
         kv_cache: KVCache | PackedCaches | None = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, T, V); with `logits_to_keep` = n > 0 only those of the last n tokens (B, n, V).
 
-        attention_mask: (B, T, S) bool, True = may attend, S = cache length + T; None = causal.
+        attention_mask: (B, T, S) bool, True = may attend, S = cache length + T; a `TreeLayout` of
+        packed tree rows (no cache); None = causal.
         position_ids: (B, T); default cache length + arange(T). New keys/values go into `kv_cache`.
         """
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, kv_cache)

@@ -3,8 +3,10 @@
 A row holds tokens laid out once. Token j is predicted by the logits at column `parent_index[j]`
 (its predecessor along its path): j - 1 for a plain sequence, the branch point's column in a
 packed prefix tree, -1 where the token has no predecessor (its log-probability is undefined and
-reported as 0). `attention_mask[b, i, k]` is True where column i may attend to column k; None
-means plain causal attention per row.
+reported as 0). `attention_mask` says which columns each column may attend to: a (B, T, T) bool
+tensor (`[b, i, k]` True where column i may attend to column k), a `TreeLayout` (packed tree rows
+as segments, what the trajectory packer hands out: a few bytes where the tensor takes T^2), or
+None for plain causal attention per row. `dense_attention_mask` gives the tensor in every case.
 
 `token_logprobs` reads them from full logits; `target_logprobs` computes them from the final
 hidden states and the LM head in chunks of tokens, never forming the whole (B, T, V) logits, their
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 
+from gyre_ray.model.tree_layout import TreeLayout
+
 
 @dataclass
 class MicroBatch:
@@ -26,7 +30,7 @@ class MicroBatch:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     parent_index: torch.Tensor
-    attention_mask: torch.Tensor | None = None
+    attention_mask: torch.Tensor | TreeLayout | None = None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     num_executions: int = 0
     meta: dict = field(default_factory=dict)
@@ -37,11 +41,26 @@ class MicroBatch:
             input_ids=self.input_ids.to(device),
             position_ids=self.position_ids.to(device),
             parent_index=self.parent_index.to(device),
-            attention_mask=None if self.attention_mask is None else self.attention_mask.to(device),
+            attention_mask=(
+                self.attention_mask.to(device)
+                if isinstance(self.attention_mask, torch.Tensor)
+                else self.attention_mask
+            ),
             tensors={k: v.to(device) for k, v in self.tensors.items()},
             num_executions=self.num_executions,
             meta=dict(self.meta),
         )
+
+
+def dense_attention_mask(batch: MicroBatch) -> torch.Tensor:
+    """(B, T, T) bool: True where a column may attend to a column (causal rows when the batch has none)."""
+    mask = batch.attention_mask
+    if isinstance(mask, TreeLayout):
+        return mask.dense(batch.input_ids.device)
+    if mask is None:
+        b, t = batch.input_ids.shape
+        return torch.ones(t, t, dtype=torch.bool, device=batch.input_ids.device).tril().expand(b, t, t)
+    return mask
 
 
 def sequential_parent_index(batch: int, length: int) -> torch.Tensor:

@@ -3,9 +3,10 @@
 Samples are placed side by side in rows of at most `row_tokens` tokens (first-fit by decreasing
 size; a sample never spans rows, so a longer one gets a row of its own); rows of similar length
 (within `max_row_padding`) are grouped into micro-batches of at most `micro_batch_tokens` padded
-tokens. Short rows keep the dense (T, T) mask cheap: side-by-side samples cost attention compute
-for blocks they never see, padding costs compute too. Samples in one row
-cannot see each other: the attention mask is ancestor-only within each sample.
+tokens. Samples in one row cannot see each other: each column sees its ancestors within its own
+sample. The micro-batch's `attention_mask` is a `TreeLayout` (the rows' segments), never a dense
+(B, T, T) tensor, so a row of any length costs memory linear in its segments; the model plans its
+attention from it (`gyre_ray.model.tree_attention`) and skips the blocks no column sees.
 
 `MicroBatch.tensors` holds what `gyre_ray.algo.gspo.tree_gspo_loss` reads:
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from gyre_ray.model.tree_layout import TreeLayout
 from gyre_ray.trainers.batch import MicroBatch
 from gyre_ray.trajectory.packing import Sample
 
@@ -47,21 +49,18 @@ def pack_rows(samples: list[Sample], row_tokens: int) -> list[list[Sample]]:
     return rows
 
 
-def _row_mask(row: list[Sample], width: int) -> torch.Tensor:
-    """(width, width) bool: each column sees its ancestors and itself; padding columns see themselves."""
-    mask = torch.zeros(width, width, dtype=torch.bool)
+def _row_segments(row: list[Sample]) -> tuple[tuple[int, int, int], ...]:
+    """The row's tree segments in row columns: each sample's, shifted to its place (samples stay apart)."""
+    segments: list[tuple[int, int, int]] = []
     offset = 0
     for sample in row:
-        for start, stop, parent in sample.segments:
-            a, b = offset + start, offset + stop
-            if parent >= 0:
-                parent_last = offset + sample.segments[parent][1] - 1
-                mask[a:b] |= mask[parent_last]
-            mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        first = len(segments)
+        segments += [
+            (offset + start, offset + stop, parent + first if parent >= 0 else -1)
+            for start, stop, parent in sample.segments
+        ]
         offset += sample.num_tokens
-    pad = torch.arange(offset, width)
-    mask[pad, pad] = True
-    return mask
+    return tuple(segments)
 
 
 def collate(rows: list[list[Sample]]) -> MicroBatch:
@@ -79,7 +78,6 @@ def collate(rows: list[list[Sample]]) -> MicroBatch:
     path_weights = torch.zeros(b, k_max, width, dtype=torch.float32)
     path_advantages = torch.zeros(b, k_max, dtype=torch.float32)
     path_execution = torch.full((b, k_max), -1, dtype=torch.long)
-    attention = torch.zeros(b, width, width, dtype=torch.bool)
     execution_ids: list[str] = []
     for r, row in enumerate(rows):
         offset, k = 0, 0
@@ -104,13 +102,12 @@ def collate(rows: list[list[Sample]]) -> MicroBatch:
                 path_execution[r, k] = execution_ids.index(s.execution_id)
                 k += 1
             offset += n
-        attention[r] = _row_mask(row, width)
     real = sum(s.num_tokens for row in rows for s in row)
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
         parent_index=parent_index,
-        attention_mask=attention,
+        attention_mask=TreeLayout(width, tuple(_row_segments(row) for row in rows)),
         tensors={
             "loss_mask": loss_mask,
             "old_logprobs": old_logprobs,

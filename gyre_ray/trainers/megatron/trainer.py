@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
+from gyre_ray.model.tree_layout import TreeLayout
 from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
-from gyre_ray.trainers.batch import MicroBatch, token_logprobs
+from gyre_ray.trainers.batch import MicroBatch, dense_attention_mask, token_logprobs
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
 from gyre_ray.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, merge_shards, shard, split_rule
@@ -105,11 +106,8 @@ class MegatronTrainer(Trainer):
 
         _check_batch(batch, self.args.vocab_size)
         batch = batch.to(self.device)
-        ids, t = batch.input_ids, batch.input_ids.size(1)
-        if batch.attention_mask is None:
-            allowed = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]
-        else:
-            allowed = batch.attention_mask
+        ids = batch.input_ids
+        allowed = dense_attention_mask(batch)  # Megatron's attention takes the dense mask
         hidden = self.model.embedding(input_ids=ids, position_ids=batch.position_ids)  # [T, B, H]
         hidden = self.model.decoder(
             hidden_states=hidden,
@@ -320,7 +318,12 @@ def _check_batch(batch: MicroBatch, vocab_size: int) -> None:
                 f"{name} shape {tuple(getattr(batch, name).shape)} != input_ids {tuple(ids.shape)}"
             )
     mask = batch.attention_mask
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (*ids.shape, ids.size(1))):
+    if isinstance(mask, TreeLayout):
+        if (mask.batch, mask.width) != tuple(ids.shape):
+            raise MegatronInputError(
+                f"tree layout of {mask.batch} rows x {mask.width} columns != input_ids {tuple(ids.shape)}"
+            )
+    elif mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (*ids.shape, ids.size(1))):
         raise MegatronInputError(
             f"attention_mask must be bool (batch, tokens, tokens), got {mask.dtype} {tuple(mask.shape)}"
         )
