@@ -22,6 +22,7 @@ from typing import Any
 
 from gyre_ray.checkpoint import STATE_FILE, complete_checkpoints
 from gyre_ray.evaluation import EVAL_FILE
+from gyre_ray.observability.metrics import WANDB_PENDING_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.runtime.journal import JOURNAL_NAME
 
@@ -66,6 +67,9 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
     recovered = lost_step_rows(run_dir, first_step, kept)
     if metrics.is_file() or recovered:
         _write_jsonl(metrics, sorted(kept + recovered, key=lambda r: r["step"]))
+    if recovered:  # the resumed run's metrics logger sends them to wandb, which never had them
+        pending = [r for r in _read_jsonl(run_dir / WANDB_PENDING_FILE) if r["step"] < first_step]
+        _write_jsonl(run_dir / WANDB_PENDING_FILE, sorted(pending + recovered, key=lambda r: r["step"]))
     if (run_dir / EVAL_FILE).is_file():
         _write_jsonl(run_dir / EVAL_FILE, kept_eval)
     return {"moved": moved, "to": str(aside) if moved else None, "recovered": [r["step"] for r in recovered]}

@@ -20,7 +20,15 @@ from gyre_ray.proxy.store_files import json_object
 # What a resume may not change: the weights and optimizer state are the checkpoint's (architecture,
 # dtype), and step S's tasks are `plan_step`'s pick from S x run.tasks_per_step of agents.task_set.
 # Everything else may change on resume (run.steps, cells.*, run.seed with a warning, ...).
-FIXED_ON_RESUME = ("model.path", "model.preset", "model.dtype", "agents.task_set", "run.tasks_per_step")
+FIXED_ON_RESUME = (
+    "model.path",
+    "model.preset",
+    "model.dtype",
+    "agents.task_set",
+    "run.tasks_per_step",
+    "run.eval_task_set",  # unset, the last run.eval_holdout tasks are held out of training:
+    "run.eval_holdout",  # changing either would train on tasks evaluated so far (or drop some)
+)
 
 
 def _dotted(data: Any, key: str) -> Any:

@@ -231,6 +231,8 @@ def test_no_good_checkpoint_is_one_line_and_exit_2(
         ("agents.task_set=words", "toy", "words"),
         ("run.tasks_per_step=3", "2", "3"),
         ("model.path={other}", "None", "{other}"),
+        ("run.eval_holdout=2", "1", "2"),  # would train on the task evaluated so far
+        ("run.eval_task_set=words", "None", "words"),
     ],
 )
 def test_a_resume_refuses_a_setting_it_cannot_take(
@@ -251,7 +253,10 @@ def test_a_resume_refuses_a_setting_it_cannot_take(
 
 def test_a_resume_takes_the_settings_the_docs_allow(tmp_path: Path, no_ray: list) -> None:
     folder = _run_folder(tmp_path)
-    cfg = resume_config(folder, ["run.steps=4", "cells.num_cells=1", "run.seed=3", "run.keep_checkpoints=1"])
+    cfg = resume_config(
+        folder,
+        ["run.steps=4", "cells.num_cells=1", "run.seed=3", "run.keep_checkpoints=1", "run.eval_every=2"],
+    )
     with pytest.raises(RuntimeError, match="restore failed"):
         train(cfg, resume=folder)
     assert no_ray[0][1] == 2
@@ -295,3 +300,41 @@ def test_the_job_resumed_after_its_driver_lost_a_row_has_every_step_once() -> No
         assert json.loads((folder / "config.segment-1.json").read_text())["run"]["steps"] == 2
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_recovered_rows_reach_wandb_once_when_the_resumed_run_starts(tmp_path: Path, monkeypatch) -> None:
+    """wandb never got the step the driver missed; the resumed run's logger sends it first, once."""
+    import sys
+
+    from gyre_ray.observability.metrics import WANDB_PENDING_FILE, MetricsLogger
+
+    logged: list[tuple[int, dict]] = []
+
+    class FakeRun:
+        def define_metric(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log(self, data: dict, step: int) -> None:
+            logged.append((step, data))
+
+        def finish(self) -> None:
+            pass
+
+    fake = SimpleNamespace(init=lambda **kwargs: FakeRun(), Settings=lambda **kwargs: None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    _jsonl(tmp_path / "metrics.jsonl", [{"step": 0, "published_at_s": 2.0}])
+    _jsonl(
+        tmp_path / "scheduler-journal.jsonl",
+        [
+            {"run": {"steps": 4, "first_step": 0, "tag": ""}, "version": 0},
+            {"published": 1, "version": 2, "metrics": {"step": 1, "published_at_s": 3.5, "reward_mean": 0.5}},
+        ],
+    )
+    assert prepare_resume(tmp_path, 2)["recovered"] == [1]
+    assert (tmp_path / WANDB_PENDING_FILE).is_file()
+    logger = MetricsLogger(tmp_path, "run", {}, "offline", resume=True)
+    assert logged == [(1, {"published_at_s": 3.5, "reward_mean": 0.5})]
+    assert logger.last_step == 1 and not (tmp_path / WANDB_PENDING_FILE).exists()
+    logger.log(2, {"reward_mean": 0.75})
+    MetricsLogger(tmp_path, "run", {}, "offline", resume=True)  # a second resume sends nothing again
+    assert logged == [(1, {"published_at_s": 3.5, "reward_mean": 0.5}), (2, {"reward_mean": 0.75})]

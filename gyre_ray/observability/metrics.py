@@ -5,8 +5,10 @@ later; `run.wandb_mode=online` logs live, after `wandb login`); mode `disabled` 
 gets: every step metric (nested figures flattened, `staleness/max`, `trained_by_cell/cell-0`, ...),
 each evaluation round as `eval/...` scalars against its own axis `eval/step`, and at the end of the
 run the switch events as a table (`switch_events`) and the report's pictures as images
-(`report/<name>`). A resumed run logs into the same wandb run id (saved as `wandb-id.txt`). A wandb
-failure never stops training: it is reported once and logging continues to the JSONL file.
+(`report/<name>`). A resumed run logs into the same wandb run id (saved as `wandb-id.txt`), and first
+sends the rows the resume put back into metrics.jsonl (steps published but never logged before the
+driver stopped; `gyre_ray.resume` leaves them in `wandb-pending.jsonl`). A wandb failure never
+stops training: it is reported once and logging continues to the JSONL file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ SWITCH_COLUMNS = (
     "requests_migrated", "drain_s", "demand", "rollout_capacity",
 )  # fmt: skip
 WANDB_ID_FILE = "wandb-id.txt"
+WANDB_PENDING_FILE = "wandb-pending.jsonl"  # metrics rows a resume recovered, not yet sent to wandb
 
 
 def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -70,6 +73,24 @@ class MetricsLogger:
                 self._wandb.define_metric("eval/*", step_metric="eval/step")
             except Exception as exc:  # wandb is optional at run time
                 self._wandb_failed(exc)
+        self._send_pending(run_dir / WANDB_PENDING_FILE)
+
+    def _send_pending(self, path: Path) -> None:
+        """Rows a resume recovered (already in metrics.jsonl) to wandb, in step order; then forget them."""
+        if not path.is_file():
+            return
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+        for row in sorted(rows, key=lambda r: r["step"]):
+            self.last_step = max(self.last_step, row["step"])
+            self._send(flatten({k: v for k, v in row.items() if k != "step"}), row["step"])
+        path.unlink()
 
     def _wandb_failed(self, exc: Exception) -> None:
         print(
