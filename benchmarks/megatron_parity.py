@@ -12,6 +12,7 @@ Results: benchmarks/results/megatron_parity_cpu<cores>.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -98,6 +99,7 @@ def _cpu_seconds(trainer, batches) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0]).parse_args()  # --help
     torch.set_num_threads(1)
     results: dict = {
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}

@@ -40,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="RUN_DIR",
         help="continue this run folder from its newest good checkpoint, with its config (overrides apply, "
-        "e.g. run.steps=8 to go on to step 8; model.path/preset/dtype, agents.task_set and "
-        "run.tasks_per_step cannot change: docs/checkpoints.md)",
+        "e.g. run.steps=8 to go on to step 8; model.path/preset/dtype, agents.task_set, "
+        "run.tasks_per_step, run.eval_task_set and run.eval_holdout cannot change: docs/checkpoints.md)",
     )
     parser.add_argument(
         "--attach",

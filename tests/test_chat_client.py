@@ -9,7 +9,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gyre_ray.agents.chat_client import ChatAPIError, ChatClient, completion_from_json
+from gyre_ray.agents.chat_client import (
+    MAX_RETRY_WAIT_S,
+    ChatAPIError,
+    ChatClient,
+    completion_from_json,
+    retry_wait_s,
+)
 
 TOOL_REPLY = {
     "id": "chatcmpl-1",
@@ -33,6 +39,7 @@ TOOL_REPLY = {
 class _Server(ThreadingHTTPServer):
     seen: list[tuple[str, dict[str, str], dict]]
     reply: tuple[int, bytes]
+    first: list[tuple[int, bytes, dict[str, str]]]  # answers given before `reply`, in order
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -41,8 +48,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append((self.path, dict(self.headers), body))
-        status, payload = self.server.reply
+        status, payload, extra = self.server.first.pop(0) if self.server.first else (*self.server.reply, {})
         self.send_response(status)
+        for name, value in extra.items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
@@ -55,7 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture()
 def server() -> Iterator[_Server]:
     srv = _Server(("127.0.0.1", 0), _Handler)
-    srv.seen, srv.reply = [], (200, json.dumps(TOOL_REPLY).encode())
+    srv.seen, srv.reply, srv.first = [], (200, json.dumps(TOOL_REPLY).encode()), []
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -102,3 +111,30 @@ def test_no_server_and_no_choices_are_errors_not_hangs() -> None:
         completion_from_json({"choices": []})
     with pytest.raises(ValueError, match="OPENAI_BASE_URL"):
         ChatClient("", "k")
+
+
+def test_a_429_or_503_is_sent_again_after_retry_after_as_the_sdk_does(server: _Server) -> None:
+    busy = b'{"error": {"message": "no routable cell"}}'
+    server.first = [(503, busy, {"Retry-After": "0"}), (429, busy, {"Retry-After": "0.01"})]
+    reply = _client(server).create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert len(server.seen) == 3 and server.seen[0][2] == server.seen[2][2]  # the same call each time
+
+
+def test_retries_stop_after_two_and_other_errors_are_not_retried(server: _Server) -> None:
+    busy = b'{"error": {"message": "no routable cell"}}'
+    server.first = [(503, busy, {"Retry-After": "0"})] * 3
+    with pytest.raises(ChatAPIError, match="503.*no routable cell"):
+        _client(server).create(model="policy", messages=[])
+    assert len(server.seen) == 3  # the call and two retries
+    server.seen.clear()
+    server.first = [(500, b'{"error": {"message": "boom"}}', {})]
+    with pytest.raises(ChatAPIError, match="500.*boom"):
+        _client(server).create(model="policy", messages=[])
+    assert len(server.seen) == 1
+
+
+def test_retry_waits_follow_retry_after_within_a_cap() -> None:
+    assert retry_wait_s("2", 0) == 2.0 and retry_wait_s("0", 1) == 0.0
+    assert retry_wait_s(None, 0) == 0.5 and retry_wait_s("soon", 1) == 1.0 and retry_wait_s("-3", 0) == 0.5
+    assert retry_wait_s("3600", 0) == MAX_RETRY_WAIT_S

@@ -8,15 +8,37 @@ The toy harness used the official `openai` SDK, whose import costs about one CPU
 (`client.chat.completions.create(...).choices[0].message.tool_calls[0].function.arguments`), so the
 harness code is the same for it, the SDK and the warm-up's scripted client. The proxy's
 compatibility with the SDK itself is tested with the SDK (tests/test_proxy_api.py and others).
+
+Like the SDK (`max_retries=2`), it sends a call again after a 429 or a 503, the two answers the
+proxy calls retryable (no routable cell, a cell's queue full, a replica lost mid-call: nothing was
+generated for the harness), after the answer's `Retry-After` (at most `MAX_RETRY_WAIT_S`; 0.5 s,
+then 1 s, where it gives none). Other errors and time-outs are raised at once.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+RETRYABLE_STATUSES = (429, 503)
+MAX_RETRIES = 2
+MAX_RETRY_WAIT_S = 30.0
+
+
+def retry_wait_s(retry_after: str | None, attempt: int) -> float:
+    """Seconds to wait before retry `attempt` (0-based): the server's `Retry-After` seconds, capped,
+    else 0.5 s doubling."""
+    try:
+        wait = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        wait = None
+    if wait is None or not wait >= 0:
+        wait = 0.5 * 2**attempt
+    return min(wait, MAX_RETRY_WAIT_S)
 
 
 @dataclass
@@ -81,14 +103,17 @@ def completion_from_json(body: dict[str, Any]) -> Completion:
 
 
 class ChatClient:
-    """`client.chat.completions.create(**request)` over HTTP, as the SDK with `max_retries=0` does it."""
+    """`client.chat.completions.create(**request)` over HTTP, as the SDK does it (retries included)."""
 
-    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, base_url: str, api_key: str, timeout_s: float = 600.0, max_retries: int = MAX_RETRIES
+    ) -> None:
         if not base_url:
             raise ValueError("base_url is empty (the runner sets OPENAI_BASE_URL)")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self.max_retries = max_retries
         self.chat = self  # the SDK's path: client.chat.completions.create
         self.completions = self
 
@@ -99,11 +124,17 @@ class ChatClient:
             "Authorization": f"Bearer {self.api_key}",
             **(extra_headers or {}),
         }
-        req = urllib.request.Request(self.url, json.dumps(body).encode(), headers, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as response:
-                return completion_from_json(json.loads(response.read()))
-        except urllib.error.HTTPError as error:
-            raise ChatAPIError(error.code, error.read().decode(errors="replace")[:500]) from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-            raise ChatAPIError(None, str(error)) from None
+        data = json.dumps(body).encode()
+        for attempt in range(self.max_retries + 1):
+            req = urllib.request.Request(self.url, data, headers, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as response:
+                    return completion_from_json(json.loads(response.read()))
+            except urllib.error.HTTPError as error:
+                detail = error.read().decode(errors="replace")[:500]
+                if error.code not in RETRYABLE_STATUSES or attempt == self.max_retries:
+                    raise ChatAPIError(error.code, detail) from None
+                time.sleep(retry_wait_s(error.headers.get("Retry-After"), attempt))
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                raise ChatAPIError(None, str(error)) from None
+        raise AssertionError("unreachable: the last attempt returns or raises")
