@@ -50,10 +50,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _subcommand_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
-    for action in parser._subparsers._group_actions if parser._subparsers else ():
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            return action.choices[command]
+def _subcommand_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The innermost (sub-)command parser the words of `argv` name (`traj show ...` -> `traj show`'s)."""
+    for word in argv:
+        actions = parser._subparsers._group_actions if parser._subparsers else ()
+        chosen = next(
+            (
+                a.choices[word]
+                for a in actions
+                if isinstance(a, argparse._SubParsersAction) and word in a.choices
+            ),
+            None,
+        )
+        if chosen is not None:
+            parser = chosen
     return parser
 
 
@@ -64,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     handler = getattr(args, "handler", None)
     if unknown:  # said by the sub-command's parser, with its own usage line (exits 2)
-        _subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+        words = sys.argv[1:] if argv is None else argv
+        _subcommand_parser(parser, words).error(f"unrecognized arguments: {' '.join(unknown)}")
     if handler is None:
         parser.print_help()
         return 2

@@ -8,6 +8,7 @@ the dotted key and what is allowed there.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,11 +29,16 @@ from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.transfer.config import TransferSection
 from gyre_ray.warmup.config import WarmupSection
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
 
 class RunSection(Section):
     """What a training job does end to end."""
 
-    name: str = Field("toy", description="Run name; the run folder is <run_dir>/<name>-<timestamp>.")
+    name: str = Field(
+        "toy",
+        description="Run name (letters, digits, ., _, -): the run folder is <run_dir>/<name>-<timestamp>-<pid>.",
+    )
     run_dir: str = Field("runs", description="Folder under which run folders are created.")
     steps: int = Field(1, ge=1, description="RL steps (optimizer updates) to run.")
     tasks_per_step: int = Field(2, ge=1, description="Distinct tasks per step; each runs group_size times.")
@@ -99,6 +105,16 @@ class RunSection(Section):
         "deployments/grafana/gyre-ray.json); keep it outside Ray's worker ports 10002-19999.",
     )
 
+    @field_validator("name")
+    @classmethod
+    def _folder_safe_name(cls, value: str) -> str:
+        if not RUN_NAME.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a run name: it names a folder and a Ray namespace, so letters, digits, "
+                "'.', '_' and '-' only, starting with a letter or digit, at most 64 characters"
+            )
+        return value
+
     @field_validator("eval_task_set")
     @classmethod
     def _eval_task_set(cls, value: str | None) -> str | None:
@@ -163,14 +179,33 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split `a.b.c=value` into (["a","b","c"], parsed value); the value is read as YAML."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
-    parts = [p for p in key.strip().split(".") if p]
-    if not parts:
+    if not key.strip():
         raise ConfigError(f"override {text!r} has an empty key")
+    parts = [p.strip() for p in key.strip().split(".")]
+    if not all(parts):
+        raise ConfigError(
+            f"override {text!r}: key {key.strip()!r} has an empty part (look for '..' or a '.' at an end)"
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
@@ -206,7 +241,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except UnicodeDecodeError:
             raise ConfigError(f"config {path} is not UTF-8 text (a YAML file was expected)") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
         except yaml.YAMLError as exc:
             raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):

@@ -29,7 +29,8 @@ def ephemeral_start() -> int:
         return _DEFAULT_EPHEMERAL_START
 
 
-def _is_free(host: str, port: int) -> bool:
+def is_free(host: str, port: int) -> bool:
+    """True when a TCP server could bind (host, port) now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
@@ -45,7 +46,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         rng = random.SystemRandom()
         for _ in range(_ATTEMPTS):
             port = rng.randrange(LISTEN_RANGE_START, end)
-            if _is_free(host, port):
+            if is_free(host, port):
                 return port
     # the kernel's range leaves no room below it (or all of that room is taken): let it choose
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

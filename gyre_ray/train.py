@@ -138,20 +138,23 @@ def train(
 
     live, restarts = None, []
     progress = {"restored": resume is None}  # a resume changes the folder's config only once restored
-    if resume is not None:
-        check_resume_settings(cfg, resume)  # what a resume may not change, before the warm-up looks
+    checkpoint = None
+    if resume is not None:  # what a resume may not change, and its checkpoint, before the warm-up
+        check_resume_settings(cfg, resume)
+        live_run.refuse_if_alive(cfg, Path(resume).resolve())
+        checkpoint = require_good(Path(resume).resolve(), warn=_say)  # a damaged newest one is skipped
     if attach is not None:  # config.json holds the prepared policy already
         run_dir = Path(attach).resolve()
         live = live_run.attach(cfg, run_dir)
         start, restarts = live.start, live.restarts
     else:
         check_model_path(cfg)  # a missing or torn model folder fails here, not in every cell
-        cfg = prepare_policy(cfg, runs_root(cfg.run.run_dir))  # the warm-up (a no-op when it is off)
+        # the warm-up (a no-op when it is off), cached in the runs folder: a resumed run's own parent
+        root = Path(resume).resolve().parent if resume is not None else runs_root(cfg.run.run_dir)
+        cfg = prepare_policy(cfg, root)
         split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
     if resume is not None:
         run_dir = Path(resume).resolve()
-        live_run.refuse_if_alive(cfg, run_dir)
-        checkpoint = require_good(run_dir, warn=_say)  # a damaged newest one is skipped, said
         check_checkpoint_model(cfg, checkpoint)
         start = _resume_folder(cfg, run_dir, checkpoint)
     elif attach is None:

@@ -64,6 +64,29 @@ def test_override_syntax_errors_are_clear() -> None:
         load_config(None, ["trainer.lr=1", "trainer.lr.x=2"])
 
 
+@pytest.mark.parametrize("override", ["run..steps=7", ".run.steps=7", "run.steps.=7", " .steps=7"])
+def test_an_override_key_with_an_empty_part_is_refused(override: str) -> None:
+    with pytest.raises(ConfigError, match="has an empty part"):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("name", ["", "../escaped", "a/b", "-dash", "x" * 65, "a b"])
+def test_a_run_name_that_is_not_a_plain_folder_name_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="run.name: .* is not a run name"):
+        load_config(None, [f"run.name={name}"] if name else ["run.name=''"])
+    assert load_config(None, ["run.name=learn-2.v1_a"]).run.name == "learn-2.v1_a"
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "twice.yaml"
+    config.write_text("run:\n  steps: 2\nrun:\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="key 'run' is given twice"):
+        load_config(config)
+    config.write_text("run:\n  steps: 2\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="key 'steps' is given twice"):
+        load_config(config)
+
+
 def test_bad_yaml_file_is_reported(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: [1, 2")

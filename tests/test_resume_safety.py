@@ -338,3 +338,23 @@ def test_recovered_rows_reach_wandb_once_when_the_resumed_run_starts(tmp_path: P
     logger.log(2, {"reward_mean": 0.75})
     MetricsLogger(tmp_path, "run", {}, "offline", resume=True)  # a second resume sends nothing again
     assert logged == [(1, {"published_at_s": 3.5, "reward_mean": 0.5}), (2, {"reward_mean": 0.75})]
+
+
+def test_a_folder_without_a_checkpoint_fails_before_the_warm_up(
+    tmp_path: Path, no_ray: list, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The warm-up (48 s for the default job) ran first, and cached itself under the working folder."""
+    import gyre_ray.warmup.sft as sft
+
+    warmed: list[Path] = []
+    monkeypatch.setattr(sft, "prepare_policy", lambda cfg, root: warmed.append(root) or cfg)
+    folder = _run_folder(tmp_path)
+    shutil.rmtree(folder / "checkpoints")
+    assert main(["train", "--resume", str(folder), "run.steps=3"]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert warmed == [] and not no_ray
+    (tmp_path / "other").mkdir()
+    resumable = _run_folder(tmp_path / "other")
+    with pytest.raises(RuntimeError, match="restore failed"):
+        train(resume_config(resumable, ["run.steps=3"]), resume=resumable)
+    assert warmed == [resumable.parent]  # the warm-up's cache goes next to the run, wherever it runs from

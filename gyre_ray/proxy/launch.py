@@ -23,8 +23,9 @@ from typing import Any
 import httpx
 
 from gyre_ray.cells.cell import EngineFactory
-from gyre_ray.config import GyreConfig
-from gyre_ray.ports import free_port
+from gyre_ray.config import ConfigError, GyreConfig
+from gyre_ray.ports import free_port, is_free
+from gyre_ray.proxy.config import ProxySection
 from gyre_ray.trajectory.records import CallRecord
 
 
@@ -130,6 +131,7 @@ def serve_proxy(
     direct = section.direct_ingress and section.num_replicas == 1
     settings = {**settings, "direct_ingress": direct}
     port = section.port or free_port(section.host)
+    refuse_busy_port(section)
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     # controller options only apply when this call starts Serve; a running Serve keeps its own
     # (Serve's HTTP proxy actors inherit the controller's env: a dead replica's calls get a 503)
@@ -172,6 +174,26 @@ def start_proxy(
 
     runtime = Runtime.start(config, engine_factory, dual_role=False, app_name=app_name, timeout_s=timeout_s)
     return runtime.proxy
+
+
+def refuse_busy_port(section: ProxySection) -> None:
+    """A `ConfigError` naming `proxy.port` when Serve would have to start on a port in use (Serve's
+    own error is a Ray traceback from its HTTP proxy actor); a running Serve keeps its port."""
+    if section.port and not _serve_running() and not is_free(section.host, section.port):
+        raise ConfigError(
+            f"proxy.port={section.port}: {section.host}:{section.port} is already in use (another proxy "
+            "or server); give another port, or proxy.port=0 for any free one"
+        )
+
+
+def _serve_running() -> bool:
+    """Whether Serve runs in this Ray cluster already (it then keeps its own HTTP port)."""
+    from ray.serve.context import _get_global_client
+
+    try:
+        return _get_global_client(raise_if_no_controller_running=False) is not None
+    except Exception:
+        return False
 
 
 def _serve_base_url(host: str, requested_port: int) -> str:

@@ -1,0 +1,43 @@
+"""Command-line parsing: a nested sub-command's bad flag gets that sub-command's own usage line."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre_ray.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["traj", "show", "records", "--bogus"], "usage: gyre-ray traj show"),
+        (["simulate", "--bogus"], "usage: gyre-ray simulate"),
+        (["--bogus"], "usage: gyre-ray [-h]"),
+    ],
+)
+def test_an_unknown_flag_gets_the_innermost_commands_usage(
+    capsys: pytest.CaptureFixture, argv: list[str], usage: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(usage) and "unrecognized arguments: --bogus" in err
+
+
+def test_a_proxy_port_in_use_is_named_before_serve_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from gyre_ray.config import ConfigError
+    from gyre_ray.proxy import launch
+    from gyre_ray.proxy.config import ProxySection
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setattr(launch, "_serve_running", lambda: False)
+        with pytest.raises(ConfigError, match=f"proxy.port={port}: 127.0.0.1:{port} is already in use"):
+            launch.refuse_busy_port(ProxySection(port=port))
+        launch.refuse_busy_port(ProxySection(port=0))  # any free port: nothing to refuse
+        monkeypatch.setattr(launch, "_serve_running", lambda: True)
+        launch.refuse_busy_port(ProxySection(port=port))  # a running Serve keeps its own port
