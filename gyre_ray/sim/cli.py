@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,40 @@ HOUR = 3600.0
 # Most cells one simulation takes (and nodes `plan` splits): the engine keeps per-cell state and
 # async tries every split, so more only runs out of memory or time.
 MAX_CELLS = 10_000
+POLICY_NAMES = "colocate, async, elastic"
+
+
+def _policy_list(text: str) -> list[str]:
+    """The names in a comma-separated `--policies` value (blanks dropped)."""
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _override_keys(overrides: list[str]) -> dict[str, str]:
+    """Each dotted key the overrides set (`section.key`), mapped to the override that sets it; an
+    override giving a whole section as a mapping (`scheduler={staleness: 2}`) sets each of its keys."""
+    from gyre_ray.config import parse_override
+
+    keys: dict[str, str] = {}
+    for text in overrides:
+        parts, value = parse_override(text)
+        if len(parts) == 1 and isinstance(value, dict) and value:
+            keys.update({f"{parts[0]}.{key}": text for key in value})
+        else:
+            keys[".".join(parts)] = text
+    return keys
+
+
+def _policy_override_problem(keys: dict[str, str], default: str) -> str | None:
+    """Why a `scheduler.policy` override cannot apply to `simulate` (it runs `--policies`), or None."""
+    text = keys.get("scheduler.policy")
+    if text is None:
+        return None
+    key, _, value = text.partition("=")
+    name = value.strip() if key.strip() == "scheduler.policy" else ""
+    return (
+        f"{text} does not apply: simulate runs the policies of --policies (default {default}); "
+        f"give --policies {name or 'NAME[,NAME]'}"
+    )
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -115,9 +150,13 @@ def _simulate_command(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else sim.steps
     staleness = args.staleness if args.staleness is not None else sched.staleness
     seed = args.seed if args.seed is not None else sim.seed
-    policies = (
-        [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else list(sim.policies)
-    )
+    policy_problem = _policy_override_problem(_override_keys(args.overrides), "sim.policies")
+    if policy_problem:
+        return _fail("simulate", policy_problem)
+    policies = _policy_list(args.policies) if args.policies is not None else list(sim.policies)
+    if not policies:
+        given = f"--policies {args.policies!r}" if args.policies is not None else "sim.policies"
+        return _fail("simulate", f"no policy given: {given} names none; give one or more of {POLICY_NAMES}")
     for problem in (
         _out_of_range("--cells", cells, 1, MAX_CELLS),
         _out_of_range("--steps", steps, 1),
@@ -130,8 +169,8 @@ def _simulate_command(args: argparse.Namespace) -> int:
         return _fail("simulate", "async needs --cells >= 2 (one trainer and one rollout cell)")
     if args.plot_hours is not None and not args.plot:
         return _fail("simulate", "--plot-hours needs --plot FILE")
-    if args.plot_hours is not None and not args.plot_hours > 0:
-        return _fail("simulate", f"--plot-hours must be > 0, got {args.plot_hours}")
+    if args.plot_hours is not None and not (args.plot_hours > 0 and math.isfinite(args.plot_hours)):
+        return _fail("simulate", f"--plot-hours must be > 0 and finite, got {args.plot_hours}")
     plot_file = None
     if args.plot:
         from gyre_ray.sim.plot import plot_path
@@ -195,18 +234,43 @@ def _replay_command(args: argparse.Namespace) -> int:
     ):
         if problem:
             return _fail("simulate", problem)
+    keys = _override_keys(args.overrides)
+    foreign = sorted({text for key, text in keys.items() if key.split(".")[0] != "scheduler"})
+    if foreign:
+        return _fail(
+            "simulate",
+            f"--trace takes the workload, steps and costs from the run: {', '.join(foreign)} does not apply "
+            "(a replay takes scheduler.* overrides, --cells, --staleness and --policies)",
+        )
+    policy_problem = _policy_override_problem(keys, "the run's own")
+    if policy_problem:
+        return _fail("simulate", policy_problem)
+    policies = None
+    if args.policies is not None:
+        policies = _policy_list(args.policies)
+        if not policies:
+            return _fail(
+                "simulate",
+                f"no policy given: --policies {args.policies!r} names none; give one or more of "
+                f"{POLICY_NAMES} (or leave --policies out to replay the run's own)",
+            )
+        if "async" in policies and args.cells is not None and args.cells < 2:
+            return _fail("simulate", "async needs --cells >= 2 (one trainer and one rollout cell)")
     run_dir = Path(args.trace)
     if run_dir.is_file():
         return _fail(
             "simulate",
             f"--trace {run_dir} is a file; give the run folder that holds it (--workload FILE replays a bare trace)",
         )
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     try:
         check_run_dir(run_dir)
         scheduler = _replay_scheduler(run_dir, args.config, args.overrides)
+        # scheduler.staleness=N given as an override acts as --staleness N (which wins when both are given)
+        staleness = args.staleness
+        if staleness is None and "scheduler.staleness" in keys:
+            staleness = scheduler.staleness
         report = predict_run(
-            run_dir, args.cells, args.staleness, policies, scheduler.async_train_cells or None, scheduler
+            run_dir, args.cells, staleness, policies, scheduler.async_train_cells or None, scheduler
         )
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))
@@ -306,9 +370,11 @@ def _plan_command(args: argparse.Namespace) -> int:
     for flag, value in (("--staleness", staleness), ("--seed", seed)):
         if value < 0:
             return _fail("plan", f"{flag} must be >= 0, got {value}")
+    if not args.policy.strip():
+        return _fail("plan", f"--policy is empty; give one of {POLICY_NAMES}")
     reference = args.reference_nodes if args.reference_nodes is not None else args.nodes[0]
     try:
-        spec, _ = load_workload(args.workload or cfg.sim.workload)
+        spec, base_dir = load_workload(args.workload or cfg.sim.workload)
         layouts = plan_layouts(
             spec,
             args.nodes,
@@ -321,6 +387,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             seed,
             costs_from(cfg.sim),
             progress=_plan_progress,
+            base_dir=base_dir,
         )
         picks = {n: recommend(layouts, n) for n in args.nodes}
     except (WorkloadError, ValueError) as exc:

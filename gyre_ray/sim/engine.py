@@ -122,9 +122,13 @@ class Simulator:
         capacity = workload.capacity_per_cell(n_cells)
         biggest = float(workload.demand.max()) if workload.n_executions else 0.0
         if biggest > capacity + EPS:
+            spec = workload.spec
+            sigma = f" (demand_sigma {spec.demand_sigma:g})" if spec.demand_sigma > 0 else ""
             raise ValueError(
-                f"an execution's demand ({biggest:.3g}) exceeds one cell's rollout capacity ({capacity:.3g} = "
-                f"capacity_executions / {n_cells} cells); use fewer cells, more capacity or a smaller demand_sigma"
+                f"{n_cells} cells get {capacity:.3g} executions of rollout capacity each, under one "
+                f"execution's demand of {biggest:.3g}{sigma}: the workload's capacity is {spec.capacity_origin()}; "
+                f"set capacity_executions >= {math.ceil(biggest * n_cells - EPS):,} or use fewer cells"
+                + (" or a smaller demand_sigma" if sigma else "")
             )
         roles = policy.initial_roles(n_cells)
         if len(roles) != n_cells:

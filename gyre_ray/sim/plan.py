@@ -11,9 +11,11 @@ cluster sizes, node-hours tell what the speed costs.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from gyre_ray.sim.engine import SimCosts
 from gyre_ray.sim.runner import simulate
@@ -77,17 +79,25 @@ def plan_layouts(
     seed: int = 0,
     costs: SimCosts | None = None,
     progress: Callable[[str], None] | None = None,
+    base_dir: Path | None = None,
 ) -> list[Layout]:
     """Simulate `policy` on every layout of every cluster size; returns them fastest first.
 
-    Every cluster size's layouts are checked before the first simulation. `progress`, if given, gets a
-    line after each layout (its makespan per step, ratio to the bound, and seconds taken)."""
+    Every cluster size's layouts are checked (and its workload sampled) before the first simulation.
+    `progress`, if given, gets a line after each layout (its makespan per step, ratio to the bound, and
+    seconds taken). `base_dir`: the folder a relative `trace` of the spec is read from (the workload
+    YAML's, as `load_workload` returns it)."""
     candidates = {nodes: candidate_layouts(nodes, min_cell_nodes, cell_nodes) for nodes in node_counts}
+    workloads: dict[int, SampledWorkload] = {}
+    for nodes, pairs in candidates.items():
+        wl = sample_workload(scale_cluster(spec, nodes / reference_nodes), steps, seed, base_dir)
+        _check_capacity(spec, wl, nodes, reference_nodes, max(cells for _, cells in pairs))
+        workloads[nodes] = wl
     total = sum(len(c) for c in candidates.values())
     layouts: list[Layout] = []
     began = time.monotonic()
     for nodes, pairs in candidates.items():
-        wl: SampledWorkload = sample_workload(scale_cluster(spec, nodes / reference_nodes), steps, seed)
+        wl = workloads[nodes]
         for size, cells in pairs:
             started = time.monotonic()
             result = simulate(wl, [policy], cells, staleness, costs)[policy]
@@ -111,6 +121,26 @@ def plan_layouts(
                 )
             )
     return sorted(layouts, key=lambda x: x.makespan_s)
+
+
+def _check_capacity(
+    spec: WorkloadSpec, wl: SampledWorkload, nodes: int, reference_nodes: int, cells: int
+) -> None:
+    """ValueError naming the reference size and the workload's capacity when `nodes` nodes split into
+    `cells` cells leave a cell less rollout capacity than one execution needs."""
+    biggest = float(wl.demand.max()) if wl.n_executions else 0.0
+    per_cell = wl.capacity_per_cell(cells)
+    if biggest <= per_cell + 1e-9:
+        return
+    most = math.floor(spec.cluster_capacity * nodes / (cells * biggest))
+    fixes = [f"--reference-nodes <= {most:,}"] if most >= 1 else []
+    fixes += ["larger cells (--min-cell-nodes)", "more capacity_executions"]
+    raise ValueError(
+        f"{nodes} nodes as {cells} cells get {per_cell:.3g} executions of rollout capacity per cell, under one "
+        f"execution's demand of {biggest:.3g}: the workload's capacity ({spec.capacity_origin()}) is for "
+        f"{reference_nodes:,} reference nodes (--reference-nodes, default the first of --nodes) and scales by "
+        f"{nodes:,}/{reference_nodes:,}; give {', '.join(fixes[:-1])} or {fixes[-1]}"
+    )
 
 
 def recommend(layouts: list[Layout], nodes: int, tie_tolerance: float = 0.01) -> Layout:

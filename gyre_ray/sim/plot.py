@@ -7,6 +7,7 @@ trainer waiting for work). Vertical ticks mark optimizer updates. Uses matplotli
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,9 @@ def plot_timelines(
     max_hours: float | None = None,
 ) -> Path:
     """Draw every result's cell-role timeline into one image at `plot_path(path)` (hours on the x axis);
-    returns the file written."""
+    returns the file written. `max_hours`, if given, must be finite and > 0 (ValueError)."""
+    if max_hours is not None and not (max_hours > 0 and math.isfinite(max_hours)):
+        raise ValueError(f"max_hours must be > 0 and finite, got {max_hours}")
     out = plot_path(path)
     import matplotlib
 

@@ -184,9 +184,26 @@ def run_scheduler_section(run_dir: Path) -> SchedulerSection:
         if not isinstance(section, dict):
             raise WorkloadError(f"{path}: 'scheduler' must be a mapping; give --config")
         return SchedulerSection.model_validate(section)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValidationError) as exc:
+    except ValidationError as exc:
+        reason = _section_errors(exc)
+        raise WorkloadError(f"{path}: cannot read its scheduler section ({reason}); give --config") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         reason = str(exc).splitlines()[0]
         raise WorkloadError(f"{path}: cannot read its scheduler section ({reason}); give --config") from None
+
+
+def _section_errors(exc: ValidationError) -> str:
+    """Every problem of a `scheduler` section on one line, by dotted key, as config errors name them."""
+    problems = []
+    for item in exc.errors():
+        key = ".".join(["scheduler", *(str(part) for part in item["loc"])])
+        if item["type"] == "extra_forbidden":
+            problems.append(
+                f"{key}: unknown key; allowed here: {', '.join(sorted(SchedulerSection.model_fields))}"
+            )
+        else:
+            problems.append(f"{key}: {item['msg']} (got {item.get('input')!r})")
+    return "; ".join(problems)
 
 
 def predict_run(
@@ -225,6 +242,19 @@ def predict_run(
     staleness = costs.staleness if staleness is None else staleness
     policies = policies or [costs.policy]
     split = async_train_cells or costs.async_train_cells or section.async_split(cells)
+    if "async" in policies:
+        if cells < 2:
+            raise WorkloadError(
+                f"async needs at least 2 cells (one trainer and one rollout cell); the replay has {cells} "
+                "(give --cells >= 2)"
+            )
+        if split >= cells:
+            from_costs = not async_train_cells and costs.async_train_cells
+            origin = f"{COSTS_FILE} async_train_cells" if from_costs else "scheduler.async_train_cells"
+            raise WorkloadError(
+                f"async: {origin} = {split} trainers leave no rollout cell among {cells} cells; "
+                f"give --cells > {split} or scheduler.async_train_cells=K with K < {cells}"
+            )
     wl = run_workload(run_dir, cells, costs)
     fit = _fit(wl)
     fitted_prior = None if isinstance(fit, str) else fit.prior()

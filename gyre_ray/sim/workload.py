@@ -104,6 +104,15 @@ class WorkloadSpec(_Strict):
         """Demand units the whole cluster hosts in the rollout role."""
         return self.capacity_executions or float(self.executions_per_step)
 
+    def capacity_origin(self) -> str:
+        """Where `cluster_capacity` comes from, as the fields that set it (for error messages)."""
+        if self.capacity_executions is not None:
+            return f"capacity_executions {self.capacity_executions:g}"
+        return (
+            f"tasks_per_step {self.tasks_per_step} x group_size {self.group_size} = "
+            f"{self.executions_per_step} executions, as capacity_executions is not set"
+        )
+
 
 @dataclass
 class SampledWorkload:
@@ -303,4 +312,8 @@ def load_workload(name_or_path: str) -> tuple[WorkloadSpec, Path | None]:
         line = f" (line {where.line + 1})" if where is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise WorkloadError(f"workload {path} is not valid YAML{line}: {problem}") from None
+    if data is None:
+        raise WorkloadError(
+            f"workload {path} is empty; give its fields (such as `extends: nl2repo`; docs/scheduling.md)"
+        )
     return spec_from_dict(data, str(path)), path.parent
