@@ -8,7 +8,9 @@ and the warm `workers` actor, runs one evaluation round exactly as `run.eval_eve
 training (`gyre_ray.evaluation`: the held-out tasks, `run.eval_samples` executions each, the same fixed
 seeds), prints it, and writes the round as JSON (`--json`, default `<out>/eval.json`) and under
 `<out>/` its eval.jsonl, call records and workspaces. `<out>` is `RUN_DIR/evals/<time>` for a run,
-else `<run.run_dir>/eval-<time>`.
+else `<run.run_dir>/eval-<time>`. `--run` takes the newest checkpoint that loads, as `train --resume`
+does (a damaged newer one is skipped with a warning on stderr); a run folder given to `--model-dir`
+and a `model.path=` override beside either source are refused with one line.
 """
 
 from __future__ import annotations
@@ -45,26 +47,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _eval_command(args: argparse.Namespace) -> int:
-    from gyre_ray.checkpoint import CheckpointError, load_state, require_latest, trainer_dir
+    from gyre_ray.checkpoint import CheckpointError, trainer_dir
     from gyre_ray.config import ConfigError
     from gyre_ray.model.checkpoint import check_hf_folder
     from gyre_ray.train import resume_config, runs_root
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = list(args.overrides) + ([f"run.eval_task_set={args.task_set}"] if args.task_set else [])
+    given = f"--run {args.run}" if args.run else f"--model-dir {args.model_dir}"
+    if clash := model_path_overrides(args.overrides):
+        raise ConfigError(f"{given} names the model; drop {clash[0]!r} (give one of them, not both)")
     if args.run:
         if args.config:
             raise ConfigError("--run uses the run folder's config.json; give overrides, not --config")
         cfg = resume_config(args.run, overrides)
         try:
-            saved = require_latest(args.run)
+            saved, step = newest_good_checkpoint(args.run)
         except CheckpointError as exc:
             raise ConfigError(f"cannot evaluate {args.run}: {exc}") from None
-        model_dir, step = trainer_dir(saved), int(load_state(saved)["step"])
+        model_dir = trainer_dir(saved)
         out = Path(args.out or Path(args.run) / "evals" / stamp)
     else:
         cfg = load_config(args.config, overrides)
         model_dir, step = Path(args.model_dir), 0
+        if hint := run_folder_hint(model_dir):
+            raise ConfigError(f"--model-dir {hint}")
         if not (model_dir / "config.json").is_file():
             raise ConfigError(f"--model-dir {model_dir}: no config.json (not an HF model folder)")
         out = Path(args.out or runs_root(cfg.run.run_dir) / f"eval-{stamp}")
@@ -85,6 +92,80 @@ def _eval_command(args: argparse.Namespace) -> int:
 
     print(f"gyre-ray eval: {format_eval(row)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+def model_path_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that set `model.path` (`model.path=X`, or `model={path: X}`): a command whose
+    --run / --model-dir names the model refuses them rather than drop one of the two."""
+    from gyre_ray.config import parse_override
+
+    found = []
+    for text in overrides:
+        parts, value = parse_override(text)
+        if parts == ["model", "path"] or (parts == ["model"] and isinstance(value, dict) and "path" in value):
+            found.append(text)
+    return found
+
+
+RUN_FOLDER_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json")
+
+
+def run_folder_hint(folder: Path) -> str | None:
+    """When `folder` is a run folder given for an HF model folder (its config.json is the run's
+    config): a message starting with the folder, saying what to give instead; else None."""
+    from gyre_ray.checkpoint import CHECKPOINTS, TRAINER_DIR, latest, trainer_dir
+
+    if not folder.is_dir() or _is_hf_config(folder / "config.json"):
+        return None
+    run_files = (folder / CHECKPOINTS).is_dir() or any((folder / n).is_file() for n in RUN_FOLDER_FILES)
+    if not run_files and not _is_run_config(folder / "config.json"):
+        return None
+    newest = latest(folder)
+    if newest is None:
+        return (
+            f"{folder} is a run folder, not an HF model folder, and holds no complete checkpoint yet "
+            f"(a checkpoint's model folder is {folder / CHECKPOINTS}/step-N/{TRAINER_DIR})"
+        )
+    return (
+        f"{folder} is a run folder, not an HF model folder: give --run {folder} (its newest checkpoint) "
+        f"or a checkpoint's model folder, e.g. {trainer_dir(newest)}"
+    )
+
+
+def _config_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _is_hf_config(path: Path) -> bool:
+    data = _config_json(path)
+    return isinstance(data, dict) and ("vocab_size" in data or "model_type" in data)
+
+
+def _is_run_config(path: Path) -> bool:
+    data = _config_json(path)
+    return (
+        isinstance(data, dict) and isinstance(data.get("run"), dict) and isinstance(data.get("model"), dict)
+    )
+
+
+def newest_good_checkpoint(run_dir: str | Path) -> tuple[Path, int]:
+    """The run's newest checkpoint whose files read, and its step, as `train --resume` picks it
+    (`gyre_ray.checkpoint.require_good`): a newer damaged one is skipped with a warning line on stderr
+    (stdout may be `--json -`); CheckpointError when none loads."""
+    from gyre_ray.checkpoint import CheckpointError, load_state, require_good
+    from gyre_ray.trajectory.records import is_int
+
+    saved = require_good(run_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        step = load_state(saved).get("step")
+    except (OSError, ValueError, AttributeError) as exc:  # changed since require_good read it
+        raise CheckpointError(f"{saved}: its state.json does not read ({type(exc).__name__})") from None
+    if not is_int(step) or step < 0:
+        raise CheckpointError(f"{saved}: its state.json step {json.dumps(step)} is not a step number")
+    return saved, step
 
 
 def _check_outputs(out: Path, json_path: str | None) -> None:

@@ -16,7 +16,10 @@ to do next where there is something to do. The status is read from what the job 
 A file whose JSON holds what the job never writes (a metrics row whose `reward_mean` is no number, a
 summary whose `costs` is no object, ...) is read like a torn one: rows up to it count, its summary is
 no proof the run ended, and its note joins the run's error; one such folder never hides the others.
-Warm-up caches (`warmup.json`) and folders without `config.json` are not runs and are left out.
+A `config.json` that does not read as the job writes it (not a JSON object, a `run.steps` that is no
+step count) loses only the configured step count, with a note; a `summary.json` that is JSON but no
+object is said so. Warm-up caches (`warmup.json`) and folders without `config.json` are not runs and
+are left out. ROOT that is itself a run folder is refused with a hint to give its parent.
 `--json` prints the same as one JSON list.
 """
 
@@ -54,6 +57,12 @@ def _runs_command(args: argparse.Namespace) -> int:
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder (give the folder that holds run folders: run.run_dir)")
     runs = list_runs(root)
+    if not runs and _looks_like_a_run(root):
+        parent = root.resolve().parent
+        raise ConfigError(
+            f"{root} looks like a run folder (it holds config.json); give the folder that holds run "
+            f"folders, its parent: gyre-ray runs {parent}"
+        )
     if args.json:
         print(json.dumps(runs, indent=2))
     else:
@@ -104,10 +113,47 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _steps_configured(folder: Path) -> int | None:
-    run = json_object(folder / "config.json", {}).get("run")
-    steps = run.get("steps") if isinstance(run, dict) else None
-    return steps if is_int(steps) and steps >= 0 else None
+RUN_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json", FAILED_FILE, LIVE_FILE)
+_TORN = object()  # a file that is not JSON (empty, cut off, not text)
+
+
+def _json_file(path: Path) -> Any:
+    """The JSON value a file holds, or `_TORN` when it does not read as JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return _TORN
+
+
+def _looks_like_a_run(folder: Path) -> bool:
+    """A run folder (config.json beside what the job writes, or a run's config.json) given for ROOT."""
+    if not (folder / "config.json").is_file():
+        return False
+    if (folder / "checkpoints").is_dir() or any((folder / name).is_file() for name in RUN_FILES):
+        return True
+    config = _json_file(folder / "config.json")
+    return isinstance(config, dict) and isinstance(config.get("run"), dict)
+
+
+def _steps_configured(folder: Path, notes: list[str] | None = None) -> int | None:
+    """`run.steps` of the run's config.json; None (with a note to `notes`) when it does not read."""
+    notes = [] if notes is None else notes
+    config = _json_file(folder / "config.json")
+    if config is _TORN:
+        notes.append("config.json does not read as JSON (empty or cut off): its step count is unknown")
+        return None
+    if not isinstance(config, dict):
+        notes.append(f"config.json {_short(config)} is not a JSON object: its step count is unknown")
+        return None
+    run = config.get("run", {})
+    if not isinstance(run, dict):
+        notes.append(f"config.json: run {_short(run)} is not an object: its step count is unknown")
+        return None
+    steps = run.get("steps")
+    if steps is not None and not (is_int(steps) and steps >= 0):
+        notes.append(f"config.json: run.steps {_short(steps)} is not a step count")
+        return None
+    return steps
 
 
 def _rewards(path: Path, notes: list[str]) -> tuple[int, list[float]]:
@@ -155,16 +201,22 @@ def _short(value: Any) -> str:
 def describe_run(folder: Path) -> dict[str, Any]:
     """One run folder's status, progress, reward, makespan, newest checkpoint and next step."""
     notes: list[str] = []  # files holding what the job never writes: read like torn ones
+    config_notes: list[str] = []  # an odd config.json: only its step count is lost, not the status
     logged, rewards = _rewards(folder / "metrics.jsonl", notes)
     run = _blank_run(folder)
     run.update(
         steps_logged=logged,
-        steps_configured=_steps_configured(folder),
+        steps_configured=_steps_configured(folder, config_notes),
         reward_first=_mean(rewards[:FIRST_LAST]),
         reward_last=_mean(rewards[-FIRST_LAST:]),
         checkpoint_step=_checkpoint_step(folder, notes),
     )
-    summary = json_object(folder / "summary.json", {}) if (folder / "summary.json").is_file() else None
+    summary, not_object = None, None
+    if (folder / "summary.json").is_file():
+        raw = _json_file(folder / "summary.json")
+        summary = raw if isinstance(raw, dict) else {}  # {}: no proof the run ended
+        if raw is not _TORN and not isinstance(raw, dict):
+            not_object = f"summary.json {_short(raw)} is not a JSON object (so no proof the run ended)"
     if summary:
         costs = summary.get("costs")
         makespan = costs.get("makespan_s") if isinstance(costs, dict) else None
@@ -190,8 +242,8 @@ def describe_run(folder: Path) -> dict[str, Any]:
     elif summary and not notes:
         run["status"] = "done"
     elif summary is not None and not summary:  # the job was killed while writing its last file
-        errors.append("summary.json is empty or cut off (the job was killed while writing it)")
-    run["error"] = "; ".join(errors + notes) or None
+        errors.append(not_object or "summary.json is empty or cut off (the job was killed while writing it)")
+    run["error"] = "; ".join(errors + notes + config_notes) or None
     run["next"] = _next_step(run)
     return run
 

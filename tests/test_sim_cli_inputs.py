@@ -248,3 +248,32 @@ def test_trace_async_split_names_where_it_comes_from(run: Path, capsys) -> None:
     one_line_error(
         capsys, "async: costs.json async_train_cells = 3 trainers leave no rollout cell among 3 cells"
     )
+
+
+# 7. elastic's own knobs: searched by default (and said so when set), run as set without the search
+
+
+def test_elastic_knobs_set_while_the_search_is_on_are_said_to_be_unused(small: str, capsys) -> None:
+    argv = ["simulate", "--workload", small, "--cells", "2", "--steps", "2", "--policies", "elastic"]
+    assert main([*argv, "scheduler.elastic_prefetch=spare"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "sim.tune_knobs is on, so elastic's knobs are searched and scheduler.elastic_prefetch is not used"
+        in err
+    )
+    assert main(argv) == 0
+    assert "sim.tune_knobs is on" not in capsys.readouterr().err
+
+
+def test_without_the_search_elastic_runs_the_launch_order_set(small: str, tmp_path: Path, capsys) -> None:
+    flags = ["simulate", "--cells", "2", "--steps", "2", "--policies", "elastic", "--json"]
+    sibling = ["scheduler.elastic_launch_order=sibling", "scheduler.elastic_duration_prior=auto"]
+    untuned = ["sim.tune_knobs=false", *sibling]
+    assert main([*flags, "--workload", small, *untuned, "scheduler.elastic_prefetch=trickle"]) == 0
+    knobs = json.loads(capsys.readouterr().out)["policies"]["elastic"]["knobs"]
+    assert knobs["prefetch"] == "trickle" and knobs["launch_order"] == "sibling"
+    assert knobs["duration_prior"]["sigma_log"] == pytest.approx(0.55)  # the workload's own model (nl2repo)
+    trace = tmp_path / "bare.jsonl"
+    trace.write_text("".join(json.dumps({"start": 0, "end": 60 + i}) + "\n" for i in range(16)))
+    assert main([*flags, "--workload", str(trace), *untuned]) == 2
+    one_line_error(capsys, "elastic_launch_order=sibling needs a duration model: this workload has none")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -41,9 +42,13 @@ def _policy_overrides(args: argparse.Namespace) -> list[str]:
     """`model.path` for --run (its newest complete checkpoint's trainer folder) or --model-dir."""
     from gyre_ray.checkpoint import CheckpointError, require_latest, trainer_dir
     from gyre_ray.config import ConfigError
+    from gyre_ray.eval_cli import model_path_overrides
 
     if args.run and args.model_dir:
         raise ConfigError("give --run or --model-dir, not both")
+    given = f"--run {args.run}" if args.run else f"--model-dir {args.model_dir}"
+    if (args.run or args.model_dir) and (clash := model_path_overrides(args.overrides)):
+        raise ConfigError(f"{given} names the model; drop {clash[0]!r} (give one of them, not both)")
     if args.run:
         try:
             return [f"model.path={trainer_dir(require_latest(args.run))}"]
@@ -54,8 +59,11 @@ def _policy_overrides(args: argparse.Namespace) -> list[str]:
 
 def _generate_command(args: argparse.Namespace) -> int:
     from gyre_ray.config import load_config
+    from gyre_ray.eval_cli import run_folder_hint
 
     config = load_config(args.config, list(args.overrides) + _policy_overrides(args))
+    if config.model.path and (hint := run_folder_hint(Path(config.model.path))):
+        return _fail(f"{'--model-dir' if args.model_dir else 'model.path'} {hint}")
     if not args.prompt.strip():
         return _fail("--prompt is empty: give the text of a user message")
 

@@ -13,8 +13,12 @@ cells' work spans and the switch events) and writes under `RUN_DIR/report/` (or 
 - `index.html`: the pictures and a table of the step metrics.
 A run that did not finish (killed, crashed) gets what its files allow: a torn last line of a JSONL
 file is skipped, an empty or torn `summary.json` counts as absent, and the pictures that need a
-missing file are left out with a note saying which and why. The training job writes the report at
-the end of every run. Uses matplotlib's Agg backend.
+missing file are left out with a note saying which and why. A JSONL line the job never writes (not
+JSON before the last line, not an object, or a field the pictures read holding the wrong kind of
+value: a `step` that is no integer, a `reward_mean` or `start` that is no number, ...) is a
+ReportError naming file, line and field; a `summary.json` whose spans or switches are not what the
+job writes is left out like a torn one, with a note naming the field. The training job writes the
+report at the end of every run. Uses matplotlib's Agg backend.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import html
 import json
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from gyre_ray.proxy.store_files import json_object
+from gyre_ray.trajectory.records import is_int
 
 KIND_COLORS = {"rollout": "#2f6db5", "training": "#e07b1a", "switching": "#9e9e9e"}
 TABLE_KEYS = ("step", "reward_mean", "valid", "executions", "calls", "loss", "grad_norm", "step_seconds")
@@ -40,9 +46,133 @@ def _or_nan(value: float | None) -> float:
     return float("nan") if value is None else float(value)
 
 
-def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+_KINDS = {
+    "int": (is_int, "an integer"),
+    "number": (_is_number, "a number"),
+    "number|null": (lambda v: v is None or _is_number(v), "a number or null"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "string": (lambda v: isinstance(v, str), "a string"),
+    "object": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _field_problem(row: dict[str, Any], key: str, kind: str, required: bool = False) -> str | None:
+    """What is wrong with `row[key]` (None when it is absent and not required, or of `kind`)."""
+    if key not in row:
+        return f"lacks the field {key}" if required else None
+    check, wanted = _KINDS[kind]
+    return None if check(row[key]) else f"{key} {_short(row[key])} is not {wanted}"
+
+
+def _step_row_problem(row: dict[str, Any]) -> str | None:
+    """metrics.jsonl: the fields the reward, staleness and per-task pictures read."""
+    return (
+        _field_problem(row, "step", "int", required=True)
+        or _field_problem(row, "reward_mean", "number|null")
+        or _map_problem(row, "staleness", ("max", "mean"), "number", nullable=True)
+        or _map_problem(row, "reward_by_task", None, "number|null", nullable=True)
+    )
+
+
+def _trace_row_problem(row: dict[str, Any]) -> str | None:
+    """trace.jsonl: the fields the timeline and the per-task rewards read."""
+    problem = (
+        _field_problem(row, "start", "number", required=True)
+        or _field_problem(row, "end", "number", required=True)
+        or _field_problem(row, "step", "int", required=True)
+        or _field_problem(row, "reward", "number|null")
+        or _field_problem(row, "dropped", "bool")
+    )
+    if problem is None and not row.get("dropped") and row.get("reward") is not None:
+        problem = _field_problem(row, "task", "string", required=True)  # a scored execution's task
+    return problem
+
+
+def _eval_row_problem(row: dict[str, Any]) -> str | None:
+    """eval.jsonl: the fields the evaluation picture reads."""
+    problem = (
+        _field_problem(row, "step", "int", required=True)
+        or _field_problem(row, "reward_mean", "number|null", required=True)
+        or _field_problem(row, "pass_rate", "number", required=True)
+        or _field_problem(row, "tasks", "object", required=True)
+    )
+    if problem is None:
+        for task, figures in row["tasks"].items():
+            if not isinstance(figures, dict):
+                return f"tasks.{task} {_short(figures)} is not an object"
+            if (inner := _field_problem(figures, "reward", "number|null", required=True)) is not None:
+                return f"tasks.{task}: {inner}"
+    return problem
+
+
+def _summary_problem(summary: dict[str, Any]) -> str | None:
+    """summary.json: what the timeline and switches pictures read (spans, utilisation, steps'
+    published_at_s, switches), or None when it is what the job writes."""
+    spans, cells = summary.get("spans") or [], summary.get("utilisation") or {}
+    if not isinstance(spans, list):
+        return f"spans {_short(spans)} is not a list"
+    for k, span in enumerate(spans):
+        if not (
+            isinstance(span, list) and len(span) == 4 and isinstance(span[0], str)
+            and isinstance(span[1], str) and _is_number(span[2]) and _is_number(span[3])
+        ):  # fmt: skip
+            return f"spans[{k}] {_short(span)} is not [cell, kind, start, end]"
+    if not isinstance(cells, dict):
+        return f"utilisation {_short(cells)} is not an object"
+    for key in ("steps", "switches"):
+        items = summary.get(key) or []
+        if not isinstance(items, list):
+            return f"{key} {_short(items)} is not a list"
+        for k, item in enumerate(items):
+            if not isinstance(item, dict):
+                return f"{key}[{k}] {_short(item)} is not an object"
+            if key == "steps":
+                problem = _field_problem(item, "published_at_s", "number")
+            elif "seconds" in item:  # a switch that ended: drawn
+                problem = (
+                    _field_problem(item, "seconds", "number")
+                    or _field_problem(item, "at_s", "number", required=True)
+                    or _field_problem(item, "direction", "string", required=True)
+                )
+            else:
+                problem = None
+            if problem is not None:
+                return f"{key}[{k}]: {problem}"
+    return None
+
+
+def _map_problem(
+    row: dict[str, Any], key: str, names: tuple[str, ...] | None, kind: str, nullable: bool = False
+) -> str | None:
+    """What is wrong with the object `row[key]` (absent, or null where `nullable`, is fine): not an
+    object, or one of its values (`names`, default all) not of `kind`."""
+    value = row.get(key)
+    if value is None and (nullable or key not in row):
+        return None
+    if not isinstance(value, dict):
+        return f"{key} {_short(value)} is not an object"
+    check, wanted = _KINDS[kind]
+    for name in names if names is not None else list(value):
+        if name in value and not check(value[name]):
+            return f"{key}.{name} {_short(value[name])} is not {wanted}"
+    return None
+
+
+def _read_jsonl(
+    path: Path, notes: list[str], problem: Callable[[dict[str, Any]], str | None] | None = None
+) -> list[dict[str, Any]]:
     """The JSON objects of an append-only file, one per line. A torn last line (its writer was killed
-    mid-write) is skipped with a note; a bad line elsewhere is a ReportError naming file and line."""
+    mid-write) is skipped with a note; a bad line elsewhere, or a line whose fields `problem` finds
+    wrong (what the job never writes), is a ReportError naming file, line and field."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
@@ -59,6 +189,8 @@ def _read_jsonl(path: Path, notes: list[str]) -> list[dict[str, Any]]:
             raise ReportError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
         if not isinstance(row, dict):
             raise ReportError(f"{path}:{n}: not a JSON object")
+        if problem is not None and (why := problem(row)) is not None:
+            raise ReportError(f"{path}:{n}: {why}")
         rows.append(row)
     return rows
 
@@ -79,16 +211,25 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     if "metrics.jsonl" in missing:
         raise ReportError(f"{run_dir}: nothing to draw: no {', '.join(missing)} (is it a run folder?)")
     notes: list[str] = []
-    steps = _read_jsonl(run_dir / "metrics.jsonl", notes)
-    trace = _read_jsonl(run_dir / "trace.jsonl", notes) if "trace.jsonl" not in missing else None
+    steps = _read_jsonl(run_dir / "metrics.jsonl", notes, _step_row_problem)
+    trace = (
+        _read_jsonl(run_dir / "trace.jsonl", notes, _trace_row_problem)
+        if "trace.jsonl" not in missing
+        else None
+    )
     summary = json_object(run_dir / "summary.json")  # None: absent, empty or cut off
+    odd = _summary_problem(summary) if summary is not None else None
     if not steps and not trace and summary is None:
         raise ReportError(f"{run_dir}: nothing to draw yet: metrics.jsonl holds no step")
-    rounds = _read_jsonl(run_dir / "eval.jsonl", notes) if (run_dir / "eval.jsonl").is_file() else []
+    eval_file = run_dir / "eval.jsonl"
+    rounds = _read_jsonl(eval_file, notes, _eval_row_problem) if eval_file.is_file() else []
     if not rounds and (newest := _newest_eval(run_dir)) is not None:
-        rounds = _read_jsonl(newest, notes)
+        rounds = _read_jsonl(newest, notes, _eval_row_problem)
         notes.append(f"eval.png from {newest.relative_to(run_dir)} (the run itself has no evaluation round)")
-    if summary is None:
+    if odd is not None:  # what the job never writes: read like a torn one
+        summary = None
+        notes.insert(0, f"left out timeline.png and switches.png (summary.json: {odd})")
+    elif summary is None:
         why = "no summary.json" if "summary.json" in missing else "summary.json is empty or cut off"
         notes.insert(0, f"left out timeline.png and switches.png ({why}: the run did not finish)")
     elif trace is None:
@@ -203,8 +344,10 @@ def plot_staleness(steps: list[dict[str, Any]], path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 3.2))
     xs = [m["step"] for m in steps]
-    ax.bar(xs, [m.get("staleness", {}).get("max", 0) for m in steps], color="#fde3c4", label="max")
-    ax.plot(xs, [m.get("staleness", {}).get("mean", 0.0) for m in steps], "o-", color="#e07b1a", label="mean")
+    ax.bar(xs, [(m.get("staleness") or {}).get("max", 0) for m in steps], color="#fde3c4", label="max")
+    ax.plot(
+        xs, [(m.get("staleness") or {}).get("mean", 0.0) for m in steps], "o-", color="#e07b1a", label="mean"
+    )
     ax.set(xlabel="step", ylabel="versions behind", title="Staleness of trained tokens")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
@@ -222,7 +365,7 @@ def plot_eval(rounds: list[dict[str, Any]], path: Path) -> Path:
             xs, [_or_nan(r["reward_mean"]) for r in rounds], "o-", color="black", lw=2, label="mean reward"
         )
         for task in sorted({t for r in rounds for t in r["tasks"]}):
-            points = [(r["step"], r["tasks"][task]["reward"]) for r in rounds if task in r["tasks"]]
+            points = [(r["step"], _or_nan(r["tasks"][task]["reward"])) for r in rounds if task in r["tasks"]]
             ax.plot(*zip(*points, strict=True), ".--", alpha=0.7, label=task)
         ax.plot(xs, [r["pass_rate"] for r in rounds], "s:", color="#2a9d4b", label="pass rate")
         ax.legend(fontsize=7, ncol=2)

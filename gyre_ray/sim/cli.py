@@ -55,6 +55,18 @@ def _policy_override_problem(keys: dict[str, str], default: str) -> str | None:
     )
 
 
+def _searched_knobs_set(sched: Any) -> str:
+    """The elastic settings of `sched` that differ from their defaults and that the knob search replaces."""
+    from gyre_ray.scheduling.config import SchedulerSection
+
+    default = SchedulerSection()
+    names = ("elastic_prefetch", "elastic_pace_s", "elastic_launch_order", "elastic_duration_prior")
+    changed = [f"scheduler.{n}" for n in names if getattr(sched, n) != getattr(default, n)]
+    if not changed:
+        return ""
+    return f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'}"
+
+
 def _csv_ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -179,6 +191,14 @@ def _simulate_command(args: argparse.Namespace) -> int:
             plot_file = plot_path(args.plot)  # before the simulation, which can take minutes
         except ValueError as exc:
             return _fail("simulate", f"--plot {exc}")
+    if sim.tune_knobs and "elastic" in policies:
+        searched = _searched_knobs_set(sched)
+        if searched:
+            print(
+                f"gyre-ray simulate: sim.tune_knobs is on, so elastic's knobs are searched and {searched} "
+                "not used (sim.tune_knobs=false runs them as set)",
+                file=sys.stderr,
+            )
     try:
         spec, base_dir = load_workload(args.workload or sim.workload)
         wl = sample_workload(spec, steps, seed, base_dir)
@@ -195,6 +215,8 @@ def _simulate_command(args: argparse.Namespace) -> int:
             prefetch=sched.elastic_prefetch,
             pace_s=sched.elastic_pace_s if sched.elastic_prefetch == "paced" else None,
             progress=_progress_line,
+            launch_order=sched.elastic_launch_order,
+            prior=sched.duration_prior(),
         )
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))

@@ -26,7 +26,9 @@ class SimSection(Section):
     tune_knobs: bool = Field(
         True,
         description="Give async its best split and elastic its best prefetch mode by simulating each "
-        "(False: use scheduler.async_train_cells / elastic_prefetch as set).",
+        "(False: use scheduler.async_train_cells and elastic_prefetch / elastic_pace_s / "
+        "elastic_launch_order as set; a sibling order with elastic_duration_prior auto takes "
+        "the workload's duration model).",
     )
     switch_to_train_s: float = Field(8.52, ge=0, description="Rollout -> training switch (reference paper).")
     switch_to_rollout_s: float = Field(

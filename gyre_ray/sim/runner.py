@@ -129,17 +129,20 @@ def best_elastic(
     pace_s: float | None = None,
     sibling: bool = True,
     progress: Callable[[str], None] | None = None,
+    order: dict[str, Any] | None = None,
 ) -> SimResult:
     """`elastic` with `prefetch` as given, or (None) the fastest of its prefetch modes.
 
     `paced` is tried at `PACE_FACTORS` x the workload's longest execution unless `pace_s` is given;
     the modes in `SIBLING_MODES` (paced at the first pace) are tried again with the sibling launch
     order where `duration_prior` finds a model (unless `sibling` is False: a launch order given by
-    the workload's ids, such as `longest_first`, is then kept).
+    the workload's ids, such as `longest_first`, is then kept). `order` (`launch_order` and
+    `duration_prior` knobs) is the launch order of a `prefetch` given.
     """
     if prefetch is not None or staleness == 0:  # without prefetch the modes decide the same
         mode = prefetch or PREFETCH_MODES[0]
         knobs = {"pace_s": pace_s or _pace_grid(wl)[0]} if mode == "paced" else {}
+        knobs.update(order or {})
         return run_policy(
             wl,
             "elastic",
@@ -187,6 +190,19 @@ PACE_FACTORS = (1.0, 1.5)
 SIBLING_MODES = ("trickle", "paced")
 
 
+def _launch_order(wl: SampledWorkload, launch_order: str, prior: DurationPrior | None) -> dict[str, Any]:
+    """Elastic's launch-order knobs: FIFO, or the sibling order with `prior` or the workload's model."""
+    if launch_order != "sibling":
+        return {}
+    prior = prior or duration_prior(wl)
+    if prior is None:
+        raise ValueError(
+            "scheduler.elastic_launch_order=sibling needs a duration model: this workload has none (a trace), "
+            "so give scheduler.elastic_duration_prior (mu_log_hours, sigma_log_hours, rho, timeout_hours)"
+        )
+    return {"launch_order": "sibling", "duration_prior": prior}
+
+
 def duration_prior(wl: SampledWorkload) -> DurationPrior | None:
     """The workload's duration model as the sibling order's prior; None for a trace or a degenerate model."""
     if wl.spec.duration is None:
@@ -216,11 +232,14 @@ def simulate(
     prefetch: str = "eager",
     pace_s: float | None = None,
     progress: Callable[[str], None] | None = None,
+    launch_order: str = "fifo",
+    prior: DurationPrior | None = None,
 ) -> dict[str, SimResult]:
     """Every named policy on the same workload, keyed by policy name (see the module docstring).
 
     `progress`, if given, gets a line after each policy and after each elastic candidate (the
-    sibling-order runs take seconds to tens of seconds each at 48 steps)."""
+    sibling-order runs take seconds to tens of seconds each at 48 steps). Without `tune`, elastic runs
+    `prefetch` in `launch_order`; `sibling` takes `prior`, else the workload's own duration model."""
     known = policy_names()
     unknown = [p for p in policies if p not in known]
     if unknown:
@@ -232,8 +251,18 @@ def simulate(
             results[name] = best_async(wl, n_cells, staleness, costs, record, split)
         elif name == "elastic":
             mode = None if tune else prefetch
+            order = None if tune else _launch_order(wl, launch_order, prior)
             results[name] = best_elastic(
-                wl, n_cells, staleness, costs, record, repay_factor, mode, pace_s, progress=progress
+                wl,
+                n_cells,
+                staleness,
+                costs,
+                record,
+                repay_factor,
+                mode,
+                pace_s,
+                progress=progress,
+                order=order,
             )
         else:
             results[name] = run_policy(wl, name, n_cells, staleness, costs, record)

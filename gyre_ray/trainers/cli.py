@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -38,10 +39,25 @@ def _fail(message: str) -> int:
 
 
 def _parse_tokens(text: str) -> list[int]:
+    parts = text.split(",")
+    if any(not part.strip() for part in parts):
+        raise ValueError(f"--tokens must be comma-separated integers, got {text!r} (an empty item)")
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
         raise ValueError(f"--tokens must be comma-separated integers, got {text!r}") from None
+
+
+def _run_folder_problem(folder: Path) -> str | None:
+    """What to give instead when `folder` is a run folder rather than an HF model folder."""
+    from gyre_ray.checkpoint import latest, trainer_dir
+    from gyre_ray.eval_cli import run_folder_hint
+
+    if run_folder_hint(folder) is None:
+        return None
+    newest = latest(folder)
+    where = f"e.g. {trainer_dir(newest)}" if newest is not None else "it holds no complete checkpoint yet"
+    return f"--model-dir {folder} is a run folder, not an HF model folder: give a checkpoint's model folder ({where})"
 
 
 def _logprobs_command(args: argparse.Namespace) -> int:
@@ -53,6 +69,9 @@ def _logprobs_command(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     from gyre_ray.model.checkpoint import load_hf
 
+    problem = _run_folder_problem(Path(args.model_dir))
+    if problem:
+        return _fail(problem)
     try:
         model, model_args = load_hf(args.model_dir, dtype="float32")
     except (OSError, ValueError) as exc:

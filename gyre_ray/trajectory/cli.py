@@ -7,7 +7,8 @@ prints the token figures (summed over executions at the top level, per execution
 tokens_expanded_selected, tokens_packed_selected, loss_tokens_selected and more.
 RECORDS is a JSONL file of call records or a folder of them, one `<execution_id>.jsonl` per
 execution (a run's `records/`): `--execution ID` shows that execution's file; without it a folder
-gets one line per execution (calls, tokens), or with `--json` the figures of all of them.
+gets one line per execution (calls, tokens), or with `--json` the figures of all of them. A run folder
+(or a `gyre-ray eval` output folder) given for RECORDS is read through its `records/`.
 """
 
 from __future__ import annotations
@@ -113,6 +114,15 @@ def _fail(message: str) -> int:
     return 2
 
 
+# what a run folder (or an eval output folder) holds beside records/: none of them is call records
+RUN_FILES = ("config.json", "metrics.jsonl", "trace.jsonl", "summary.json", "eval.jsonl")
+
+
+def run_folder_files(folder: Path) -> list[str]:
+    """The run files `folder` holds (empty: not a run folder)."""
+    return [name for name in RUN_FILES if (folder / name).is_file()]
+
+
 def _show(args: argparse.Namespace) -> int:
     from gyre_ray.trajectory.config import TrajectorySection
     from gyre_ray.trajectory.pipeline import TOKEN_FIGURES, process_execution
@@ -126,6 +136,13 @@ def _show(args: argparse.Namespace) -> int:
         tie_break=args.tie_break or defaults.tie_break,
     )
     given = Path(args.records)  # a records file, or a folder of them
+    if given.is_dir() and (run_files := run_folder_files(given)):  # a run folder, not its records/
+        if not (given / "records").is_dir():
+            return _fail(
+                f"{given} is a run folder ({', '.join(run_files)}) with no records/ folder: give the "
+                "folder of call records (proxy.records_dir) or one <execution_id>.jsonl"
+            )
+        given = given / "records"  # what it meant (error messages and the listing name it)
     sources = [given]
     if given.is_dir():
         files = record_files(given)
@@ -142,11 +159,11 @@ def _show(args: argparse.Namespace) -> int:
     try:
         executions = group_by_execution(r for path in sources for r in read_jsonl(path, args.vocab_size))
     except OSError as exc:
-        return _fail(f"cannot read {exc.filename or args.records}: {exc.strerror}")
+        return _fail(f"cannot read {exc.filename or given}: {exc.strerror}")
     except RecordError as exc:
         return _fail(str(exc))
     if not executions:
-        return _fail(f"{args.records} holds no call records")
+        return _fail(f"{given} holds no call records")
     if given.is_dir() and args.execution is None and not args.json:
         print(list_executions(given, executions))
         return 0
@@ -157,7 +174,7 @@ def _show(args: argparse.Namespace) -> int:
     try:  # records that are each valid may still contradict each other (e.g. a repeated call_id)
         processed = [process_execution(records, cfg) for records in executions.values()]
     except RecordError as exc:
-        return _fail(f"{args.records}: {exc}")
+        return _fail(f"{given}: {exc}")
     if args.json:
         per_execution = [{**p.stats(), "paths": _path_rows(p)} for p in processed]
         totals = {k: sum(e[k] for e in per_execution) for k in ("calls", *TOKEN_FIGURES, "drift_remapped")}
