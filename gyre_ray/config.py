@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from gyre_ray.agents.config import AgentSection, check_task_set
 from gyre_ray.algo.config import AlgoSection
@@ -150,6 +150,20 @@ class GyreConfig(Section):
         default_factory=WarmupSection, description="Supervised warm-up before RL (off by default)."
     )
 
+    @model_validator(mode="after")
+    def _async_leaves_a_rollout_cell(self) -> GyreConfig:
+        cells, sched = self.cells.num_cells, self.scheduler
+        if sched.policy == "async" and sched.async_split(cells) >= cells:
+            given = (
+                f"scheduler.async_train_cells={sched.async_train_cells}, " if sched.async_train_cells else ""
+            )
+            raise ValueError(
+                f"scheduler.policy=async trains on a fixed {sched.async_split(cells)} of the cells and rolls "
+                f"out on the rest, but {given}cells.num_cells={cells} leaves no rollout cell: give "
+                "cells.num_cells >= 2 and scheduler.async_train_cells < cells.num_cells (0 = half)"
+            )
+        return self
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the dotted key."""
@@ -174,8 +188,13 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if item["type"] == "extra_forbidden":
             allowed = _allowed_keys(GyreConfig, loc[:-1])
             lines.append(f"  {key}: unknown key; allowed here: {', '.join(allowed)}")
+        elif item["type"] == "value_error" and (not loc or isinstance(item.get("input"), dict)):
+            # a check across keys (of the whole config or a section): its message names them
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}: {message}" if loc else f"  {message}")
         else:
-            lines.append(f"  {key}: {item['msg']} (got {item.get('input')!r})")
+            message = item["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}: {message} (got {item.get('input')!r})")
     return "\n".join(lines)
 
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.agents.outcomes import reason_kind
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.envs.base import Task, get_task_set
 from gyre_ray.proxy.store_files import json_lines
@@ -89,6 +91,8 @@ def summarize(
         if o.valid:
             by_task[o.task_id].append(float(o.reward))
     scored = [r for rs in by_task.values() for r in rs]
+    dropped = [o for o in outcomes if not o.valid]
+    reasons = Counter(reason_kind(getattr(o, "reason", "") or getattr(o, "detail", "")) for o in dropped)
     return {
         "step": step,
         "version": version,
@@ -99,12 +103,14 @@ def summarize(
         "pass_rate": sum(r >= threshold for r in scored) / len(scored) if scored else 0.0,
         "tasks": {
             task: {
-                "reward": statistics.fmean(rs) if rs else 0.0,
+                "reward": statistics.fmean(rs) if rs else None,  # None: none of its executions scored
                 "pass_rate": sum(r >= threshold for r in rs) / len(rs) if rs else 0.0,
                 "valid": len(rs),
             }
             for task, rs in sorted(by_task.items())
         },
+        "dropped": len(dropped),
+        "drop_reasons": dict(reasons),  # kind of reason -> executions, as a step's metrics count them
     }
 
 
@@ -220,8 +226,10 @@ def reward_text(reward: float | None, digits: int = 3) -> str:
 
 
 def format_eval(row: dict[str, Any]) -> str:
-    tasks = ", ".join(f"{t} {f['reward']:.3f}" for t, f in row["tasks"].items())
+    tasks = ", ".join(f"{t} {reward_text(f['reward'])}" for t, f in row["tasks"].items())
+    reasons = row.get("drop_reasons") or {}
+    issues = "; dropped: " + ", ".join(f"{k} x{n}" for k, n in sorted(reasons.items())) if reasons else ""
     return (
         f"eval of step {row['step']} (v{row['version']}): reward {reward_text(row['reward_mean'])}, pass rate "
-        f"{row['pass_rate']:.2f} over {row['valid']}/{row['executions']} scored; per task: {tasks}"
+        f"{row['pass_rate']:.2f} over {row['valid']}/{row['executions']} scored; per task: {tasks}{issues}"
     )

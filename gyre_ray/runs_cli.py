@@ -1,7 +1,8 @@
 """`gyre-ray runs [ROOT]`: the run folders under ROOT (`run.run_dir`, default `runs`) at a glance.
 
 One line per run folder, newest first: its status, the steps logged of those configured, the reward
-(mean of the first 3 steps -> of the last 3), the makespan, its newest complete checkpoint, and what
+(mean of the first 3 scored steps -> of the last 3, fewer in a run of under 6 so that the ends do
+not overlap, as `gyre-ray train` prints it), the makespan, its newest complete checkpoint, and what
 to do next where there is something to do. The status is read from what the job leaves:
 - `done`: `summary.json` (the job's last write; an empty or torn one, the job killed while writing
   it, does not count: such a run is `stopped` unless failed.json or live-run.json say more);
@@ -32,6 +33,7 @@ from typing import Any
 
 from gyre_ray.checkpoint import complete_checkpoints, load_state
 from gyre_ray.live_run import LIVE_FILE, driver_state
+from gyre_ray.observability.metrics import trend_window
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.train import FAILED_FILE, NOTHING_SCORED
 from gyre_ray.trajectory.records import is_int
@@ -207,8 +209,8 @@ def describe_run(folder: Path) -> dict[str, Any]:
     run.update(
         steps_logged=logged,
         steps_configured=_steps_configured(folder, config_notes),
-        reward_first=_mean(rewards[:FIRST_LAST]),
-        reward_last=_mean(rewards[-FIRST_LAST:]),
+        reward_first=_mean(rewards[: trend_window(len(rewards), FIRST_LAST)]),
+        reward_last=_mean(rewards[-trend_window(len(rewards), FIRST_LAST) :]),
         checkpoint_step=_checkpoint_step(folder, notes),
     )
     summary, not_object = None, None

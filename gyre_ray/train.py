@@ -26,6 +26,7 @@ from gyre_ray.checkpoint import latest as latest_checkpoint
 from gyre_ray.checkpoint import latest_good, load_state, require_good, trainer_dir
 from gyre_ray.config import GyreConfig, load_config
 from gyre_ray.evaluation import format_eval, read_eval, reward_text, split_tasks
+from gyre_ray.observability.metrics import trend_window
 from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
 from gyre_ray.resume_checks import check_checkpoint_model, check_resume_settings, keep_config
 
@@ -529,7 +530,7 @@ def reward_trend(steps: list[dict[str, Any]], window: int = 3) -> str:
     rewards = scored_rewards(steps)
     if not rewards:
         return "reward trend: no scored steps"
-    k = max(1, min(window, len(rewards) // 2))  # two windows that do not overlap (one step: itself)
+    k = trend_window(len(rewards), window)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     return (
         f"reward trend: first {k} step(s) {first:.3f} -> last {k} step(s) {last:.3f} ({last - first:+.3f}); "

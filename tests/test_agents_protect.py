@@ -4,11 +4,18 @@ tests and the git repository holding them; and what it removes after one: anythi
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
 
-from gyre_ray.agents.sandbox import _remove_scratch, close_hidden_tests, protect_ray_credentials
+from gyre_ray.agents.sandbox import (
+    _remove_scratch,
+    close_hidden_tests,
+    job_workspaces,
+    protect_job_folders,
+    protect_ray_credentials,
+)
 
 
 def _mode(path: Path) -> int:
@@ -68,3 +75,25 @@ def test_files_a_uid_left_deep_in_shared_scratch_are_removed(tmp_path: Path) -> 
     _remove_scratch(uid, (str(tmp_path / "tmp"),))
     assert sorted(p.name for p in shared.iterdir()) == ["ray.log"]  # the link went, not its target
     assert (closed / "other.txt").exists()
+
+
+def test_an_evaluation_rounds_launch_leaves_the_other_rounds_folders_as_they_were(tmp_path: Path) -> None:
+    """An eval execution's workspace is workspaces/eval-<step>/<id>: the run folder is two levels up.
+    Taken as one level up, a round's launch closed (0700) a running round's folder, whose agents then
+    failed on their own workspace, and made a stray workspaces/records."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("{}\n")
+    first = run / "workspaces" / "eval-1" / "eval-greeting-0"
+    second = run / "workspaces" / "eval-2" / "eval-greeting-0"
+    train = run / "workspaces" / "s0-greeting-0"
+    for workspace in (first, train, second):
+        assert job_workspaces(workspace) == run / "workspaces"
+        protect_job_folders(job_workspaces(workspace))
+        workspace.mkdir(parents=True)
+    for round_folder in ("eval-1", "eval-2"):
+        assert stat.S_IMODE((run / "workspaces" / round_folder).stat().st_mode) == 0o711
+    assert not (run / "workspaces" / "records").exists()
+    assert stat.S_IMODE((run / "records").stat().st_mode) == 0o700
+    assert stat.S_IMODE((run / "metrics.jsonl").stat().st_mode) & 0o077 == 0  # the job's files: closed
+    assert stat.S_IMODE(run.stat().st_mode) == 0o711

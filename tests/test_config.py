@@ -102,3 +102,24 @@ def test_bad_yaml_file_is_reported(tmp_path: Path) -> None:
 def test_every_field_has_a_description() -> None:
     missing = [key for key, _default, text in describe() if not text.strip()]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["scheduler.policy=async", "cells.num_cells=1"],
+        ["scheduler.policy=async", "cells.num_cells=3", "scheduler.async_train_cells=3"],
+    ],
+)
+def test_async_without_a_rollout_cell_is_refused_before_anything_starts(overrides: list[str]) -> None:
+    """It passed the config and failed after Ray, the cells and the proxy had started."""
+    with pytest.raises(ConfigError, match="leaves no rollout cell: give cells.num_cells >= 2") as err:
+        load_config(None, overrides)
+    assert "<root>" not in str(err.value) and "(got {" not in str(err.value)
+    assert load_config(None, ["scheduler.policy=async", "cells.num_cells=3", "scheduler.async_train_cells=2"])
+
+
+def test_a_group_of_one_is_refused() -> None:
+    """GSPO's advantages are relative within a group: a group of one trained nothing, silently."""
+    with pytest.raises(ConfigError, match="algo.group_size: Input should be greater than or equal to 2"):
+        load_config(None, ["algo.group_size=1"])

@@ -11,7 +11,7 @@ import pytest
 
 from gyre_ray.config import load_config
 from gyre_ray.envs.base import get_task_set
-from gyre_ray.evaluation import eval_due, flat_metrics, plan_round, split_tasks, summarize
+from gyre_ray.evaluation import eval_due, flat_metrics, format_eval, plan_round, split_tasks, summarize
 from gyre_ray.observability.metrics import flatten
 
 
@@ -48,6 +48,7 @@ class Outcome:
     task_id: str
     reward: float
     valid: bool = True
+    reason: str = ""
 
 
 def test_a_round_scores_each_task_over_its_scored_executions() -> None:
@@ -61,6 +62,17 @@ def test_a_round_scores_each_task_over_its_scored_executions() -> None:
     assert row["reward_mean"] == pytest.approx(1.75 / 3) and row["pass_rate"] == pytest.approx(1 / 3)
     flat = flat_metrics(row)
     assert flat["eval/step"] == 4 and flat["eval/a/pass_rate"] == 0.5 and flat["eval/b/reward"] == 0.25
+
+
+def test_a_task_with_no_scored_execution_has_no_reward_and_the_round_says_why() -> None:
+    """A round whose agents all crashed read `greeting 0.000`, like a scored zero, with no reason."""
+    crashed = "harness exited with code 1: PermissionError: answer.txt"
+    outcomes = [Outcome("greeting", 0.0, valid=False, reason=crashed)] * 2 + [Outcome("b", 0.5)]
+    row = summarize(1, outcomes, threshold=1.0, version=1, version_at_end=1)
+    assert row["tasks"]["greeting"] == {"reward": None, "pass_rate": 0.0, "valid": 0}
+    assert row["dropped"] == 2 and row["drop_reasons"] == {"harness exited with code 1": 2}
+    line = format_eval(row)
+    assert "per task: b 0.500, greeting n/a" in line and "dropped: harness exited with code 1 x2" in line
 
 
 def test_every_number_of_a_step_reaches_wandb_flattened() -> None:

@@ -66,7 +66,9 @@ def test_each_run_gets_its_status_progress_reward_checkpoint_and_next_step(root:
     ]  # newest first
     done = runs["done"]
     assert (done["status"], done["steps_logged"], done["steps_configured"]) == ("done", 4, 4)
-    assert done["reward_first"] == pytest.approx(0.2) and done["reward_last"] == pytest.approx(1.0 / 3)
+    assert done["reward_first"] == pytest.approx(0.15) and done["reward_last"] == pytest.approx(
+        0.4
+    )  # 2 + 2 of 4
     assert done["makespan_s"] == 81.5 and done["checkpoint_step"] == 4
     assert runs["failed"]["status"] == "failed" and runs["failed"]["error"] == "RuntimeError: the core died"
     assert runs["failed"]["next"].startswith("no checkpoint to resume from")
@@ -88,7 +90,7 @@ def test_the_command_prints_a_table_and_json_and_says_what_is_wrong(
     out = capsys.readouterr().out
     table = {line.split()[0]: line for line in out.splitlines()[1:6]}
     assert set(table) == {"live", "stopped", "failed", "done", "torn"}
-    assert "done" in table["done"] and "4/4" in table["done"] and "0.200 -> 0.333" in table["done"]
+    assert "done" in table["done"] and "4/4" in table["done"] and "0.150 -> 0.400" in table["done"]
     assert "81.5 s" in table["done"]
     assert "failed: RuntimeError: the core died" in out
     assert "stopped" in table["torn"] and "2/2" in table["torn"]
@@ -207,7 +209,7 @@ def test_a_file_with_odd_content_makes_its_run_stopped_with_a_note_and_hides_no_
     target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
     os.utime(odd / "config.json", (200.0, 200.0))
     runs = {run["name"]: run for run in list_runs(tmp_path)}
-    assert runs["good"]["status"] == "done" and runs["good"]["reward_last"] == 0.5
+    assert runs["good"]["status"] == "done" and runs["good"]["reward_last"] == 0.75
     if note is None:  # an odd config.json only loses the configured step count
         assert runs["odd"]["status"] == "done" and runs["odd"]["steps_configured"] is None
     else:
@@ -239,3 +241,16 @@ def test_odd_failed_live_and_checkpoint_files_are_noted_not_fatal(
     assert "state.json holds no step number" in runs["ckpt"]["error"]
     assert main(["runs", str(tmp_path)]) == 0
     assert "failed: failed.json: error 5 is not text" in capsys.readouterr().out
+
+
+def test_a_short_runs_trend_compares_ends_that_do_not_overlap_as_train_says(tmp_path: Path) -> None:
+    """With fixed 3-step ends a 4-step run compared overlapping windows (train: +0.130, runs: a
+    decline), and a 2- or 3-step run showed the same reward at both ends."""
+    from gyre_ray.train import reward_trend
+
+    rewards = [0.2, 0.45, 0.4, 0.5]
+    make_run(tmp_path, "four", 4, rewards, 100.0)
+    (run,) = list_runs(tmp_path)
+    assert run["reward_first"] == pytest.approx(0.325) and run["reward_last"] == pytest.approx(0.45)
+    line = reward_trend([{"reward_mean": r} for r in rewards])
+    assert "first 2 step(s) 0.325 -> last 2 step(s) 0.450" in line

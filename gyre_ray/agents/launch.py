@@ -22,6 +22,7 @@ from gyre_ray.agents.runner import Endpoint, ExecutionOutcome, run_execution
 from gyre_ray.agents.sandbox import (
     Limits,
     close_hidden_tests,
+    job_workspaces,
     own_uids,
     protect_job_folders,
     protect_ray_credentials,
@@ -79,7 +80,7 @@ def run_planned_execution(
         task = next(t for t in tasks if t.task_id == task_id)
         path = Path(workspace)
         if cfg.isolation != "none":
-            protect_job_folders(path.parent)
+            protect_job_folders(job_workspaces(path))
             protect_ray_credentials()  # on every node that runs executions (chmods: cheap)
             if own_uids(cfg.isolation):  # close every task's tests, not only this one's
                 close_hidden_tests([h for t in tasks if (h := getattr(t.evaluate, "hidden", None))])

@@ -381,6 +381,21 @@ def protect_ray_credentials(home: Path | None = None) -> None:
             continue
 
 
+WORKSPACES_DIR = "workspaces"  # <run>/workspaces/<execution>, or <run>/workspaces/eval-<step>/<execution>
+
+
+def job_workspaces(workspace: Path) -> Path:
+    """The run's workspaces folder above an execution's `workspace`; the folders between it and the
+    workspace (an evaluation round's `eval-<step>`) are made traversable but not listable, like it."""
+    for depth, folder in enumerate(workspace.parents):
+        if folder.name == WORKSPACES_DIR:
+            for inner in list(workspace.parents)[:depth]:
+                inner.mkdir(parents=True, exist_ok=True)
+                os.chmod(inner, 0o711)
+            return folder
+    return workspace.parent
+
+
 def protect_job_folders(workspaces: Path, private: tuple[str, ...] = ("records",)) -> None:
     """In the job's run folder (`workspaces`' parent): executions may traverse to their workspaces but
     list nothing, and read none of the job's files; `private` folders are created 0700 if missing."""

@@ -13,7 +13,12 @@ class AlgoSection(Section):
     """GSPO settings (defaults follow the GSPO paper and the reference design)."""
 
     name: Literal["gspo"] = Field("gspo", description="Objective, looked up by name in gyre_ray.algo.")
-    group_size: int = Field(16, ge=1, description="Executions per task whose rewards form one group.")
+    group_size: int = Field(
+        16,
+        ge=2,
+        description="Executions per task whose rewards form one group (at least 2: advantages are relative "
+        "within a group, so a group of one has advantage 0 and trains nothing).",
+    )
     clip_low: float = Field(
         3e-4, ge=0, lt=1, description="Lower clip range of the sequence importance ratio (1 - clip_low)."
     )

@@ -27,6 +27,11 @@ WANDB_ID_FILE = "wandb-id.txt"
 WANDB_PENDING_FILE = "wandb-pending.jsonl"  # metrics rows a resume recovered, not yet sent to wandb
 
 
+def trend_window(scored_steps: int, window: int = 3) -> int:
+    """Steps averaged at each end of a reward trend: up to `window`, never overlapping (one step: itself)."""
+    return max(1, min(window, scored_steps // 2))
+
+
 def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
     """Every number in `metrics`, nested dicts as `outer/inner` keys (lists and text are left out)."""
     flat: dict[str, float] = {}
