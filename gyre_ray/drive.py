@@ -13,7 +13,7 @@ from typing import Any
 
 from gyre_ray.config import GyreConfig
 from gyre_ray.evaluation import EvalRunner, eval_due, format_eval
-from gyre_ray.resume import shift
+from gyre_ray.resume import shift_step
 
 
 def drive(
@@ -51,7 +51,7 @@ def drive(
             finished, _ = ray.wait([done], timeout=1.0)
             for metrics in patient_get(scheduler.metrics_since.remote(seen)):
                 seen += 1
-                metrics = shift(metrics, ("published_at_s",), offset)
+                metrics = shift_step(metrics, offset)
                 logger.log(metrics["step"], metrics)
                 print(f"gyre-ray: step {metrics['step']}: {format_step(metrics)}", flush=True)
                 version = int(metrics["version"])

@@ -153,11 +153,36 @@ def shift(row: dict[str, Any], keys: tuple[str, ...], offset: float) -> dict[str
     return {**row, **{k: round(row[k] + offset, 4) for k in keys if k in row}}
 
 
+def shift_step(metrics: dict[str, Any], offset: float) -> dict[str, Any]:
+    """A resumed segment's step metrics on the run's clock: `published_at_s` and its switch events'
+    `at_s` moved by `offset` seconds."""
+    moved = shift(metrics, ("published_at_s",), offset)
+    if isinstance(metrics.get("switches"), list):
+        moved["switches"] = [
+            shift(e, ("at_s",), offset) if isinstance(e, dict) else e for e in metrics["switches"]
+        ]
+    return moved
+
+
+def merged_costs(
+    costs: dict[str, Any], steps: list[dict[str, Any]], trace: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A resumed run's measured costs over the whole run: its steps, and its makespan from the first
+    launch to the last update published, on the run's clock (the segment's own covered only itself)."""
+    merged = {**costs, "steps": len(steps)}
+    published = [m["published_at_s"] for m in steps if isinstance(m.get("published_at_s"), (int, float))]
+    starts = [r["start"] for r in trace if isinstance(r.get("start"), (int, float))]
+    if published and starts:
+        merged["makespan_s"] = round(max(published) - min(starts), 4)
+    return merged
+
+
 def merge_segments(
     run_dir: str | Path, first_step: int, offset: float, result: dict[str, Any]
 ) -> dict[str, Any]:
     """`result` (what `scheduler.run` returned for steps >= first_step) with the earlier segment's trace
-    rows, spans, switch events and step metrics in front; the new times shifted by `offset`."""
+    rows, spans, switch events and step metrics in front; the new times shifted by `offset`; its
+    costs' steps and makespan over the whole run."""
     run_dir = Path(run_dir)
     before = _summary(run_dir)
     merged = dict(result)
@@ -168,7 +193,7 @@ def merge_segments(
     merged["switches"] = [e for e in before.get("switches", []) if e.get("batch", 0) < first_step] + [
         shift(e, ("at_s",), offset) for e in result["switches"]
     ]
-    merged["steps"] = earlier_steps(run_dir, first_step) + [
-        shift(m, ("published_at_s",), offset) for m in result["steps"]
-    ]
+    merged["steps"] = earlier_steps(run_dir, first_step) + [shift_step(m, offset) for m in result["steps"]]
+    if isinstance(result.get("costs"), dict):
+        merged["costs"] = merged_costs(result["costs"], merged["steps"], merged["trace"])
     return merged

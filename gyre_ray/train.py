@@ -239,6 +239,7 @@ def note_failure(run_dir: Path, exc: BaseException, quiet: bool = False) -> None
     """Say in the run folder why the run stopped (`failed.json`: the error, when, the steps logged);
     the folder keeps what was saved before (metrics, records, checkpoints: `--resume` continues).
     `quiet`: the caller says why itself (nothing on stderr here)."""
+    from gyre_ray.config import ConfigError
     from gyre_ray.proxy.store_files import json_lines
 
     why = "interrupted" if isinstance(exc, KeyboardInterrupt) else error_text(exc)
@@ -252,6 +253,11 @@ def note_failure(run_dir: Path, exc: BaseException, quiet: bool = False) -> None
     except OSError:  # the folder itself is what failed (a full or read-only disk): the error says so
         return
     if quiet:
+        return
+    if isinstance(exc, ConfigError) and not note["steps_logged"]:  # the next line says what to change
+        print(
+            f"gyre-ray: the run did not start; {run_dir / FAILED_FILE} says why", file=sys.stderr, flush=True
+        )
         return
     saved = latest_good(run_dir)
     then = (

@@ -127,13 +127,18 @@ def test_merge_segments_puts_the_resumed_times_after_the_earlier_ones(tmp_path: 
         "trace": [{"step": 1, "start": 0.5, "end": 3.0}],
         "spans": [("cell-0", "rollout", 0.0, 4.0)],
         "switches": [{"batch": 1, "at_s": 2.0}],
-        "steps": [{"step": 1, "published_at_s": 4.0}],
+        "steps": [{"step": 1, "published_at_s": 4.0, "switches": [{"batch": 1, "at_s": 2.0}]}],
+        "costs": {"steps": 1, "makespan_s": 3.5, "cells": 2},  # the segment's own: 0.5 -> 4.0
     }
     merged = merge_segments(tmp_path, 1, offset, new)
     assert [(r["step"], r["start"]) for r in merged["trace"]] == [(0, 0.0), (1, 10.5)]
     assert merged["spans"] == [("cell-0", "rollout", 0.0, 10.0), ("cell-0", "rollout", 10.0, 14.0)]
     assert [e["at_s"] for e in merged["switches"]] == [5.0, 12.0]
     assert [(m["step"], m["published_at_s"]) for m in merged["steps"]] == [(0, 6.0), (1, 14.0)]
+    # a step's own switch events on the run's clock too (they stayed on the segment's: 2.0)
+    assert [e["at_s"] for e in merged["steps"][1]["switches"]] == [12.0]
+    # the run's costs: both steps, first launch to last update (the segment's covered itself: 3.5 s)
+    assert merged["costs"] == {"steps": 2, "makespan_s": 14.0, "cells": 2}
 
 
 def test_a_segment_killed_while_writing_its_last_files_still_resumes(tmp_path: Path) -> None:

@@ -41,3 +41,19 @@ def test_a_proxy_port_in_use_is_named_before_serve_starts(monkeypatch: pytest.Mo
         launch.refuse_busy_port(ProxySection(port=0))  # any free port: nothing to refuse
         monkeypatch.setattr(launch, "_serve_running", lambda: True)
         launch.refuse_busy_port(ProxySection(port=port))  # a running Serve keeps its own port
+
+
+def test_a_run_stopped_by_a_config_error_does_not_point_to_a_resume(
+    tmp_path, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+
+    from gyre_ray.config import ConfigError
+    from gyre_ray.train import FAILED_FILE, note_failure
+
+    note_failure(tmp_path, ConfigError("proxy.port=8000: 127.0.0.1:8000 is already in use"))
+    err = capsys.readouterr().err
+    assert "the run did not start" in err and "resume" not in err and "checkpoint" not in err
+    assert "proxy.port=8000" in json.loads((tmp_path / FAILED_FILE).read_text())["error"]
+    note_failure(tmp_path, RuntimeError("the core died"))  # anything else: how to go on
+    assert "no checkpoint to resume from yet" in capsys.readouterr().err

@@ -265,13 +265,14 @@ class Runtime:
         outlives it (`gyre_ray.live_run`), and `shutdown` is then the only thing that stops them.
         """
 
-        from gyre_ray.proxy.launch import serve_proxy
+        from gyre_ray.proxy.launch import refuse_busy_port, serve_proxy
 
         owns_ray = connect_ray(config)
         namespace = namespace or f"gyre-{config.run.name}-{secrets.token_hex(3)}"
         trainer = trainer_factory_for(config) if dual_role else None
         pool = store = proxy = runtime = None
         try:
+            refuse_busy_port(config.proxy)  # before the cells start (a minute on a small machine)
             settings, pool, store = start_backends(
                 config, engine_factory, trainer_factory=trainer, namespace=namespace, timeout_s=timeout_s,
                 detached=detached,
