@@ -29,9 +29,12 @@ def ephemeral_start() -> int:
         return _DEFAULT_EPHEMERAL_START
 
 
-def is_free(host: str, port: int) -> bool:
-    """True when a TCP server could bind (host, port) now."""
+def is_free(host: str, port: int, reuse_port: bool = False) -> bool:
+    """True when a TCP server could bind (host, port) now; `reuse_port`: one that sets SO_REUSEPORT,
+    which may share the port with other such sockets of the same user (as Ray Serve's proxies do)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if reuse_port and hasattr(socket, "SO_REUSEPORT"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError:

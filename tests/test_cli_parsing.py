@@ -41,6 +41,12 @@ def test_a_proxy_port_in_use_is_named_before_serve_starts(monkeypatch: pytest.Mo
         launch.refuse_busy_port(ProxySection(port=0))  # any free port: nothing to refuse
         monkeypatch.setattr(launch, "_serve_running", lambda: True)
         launch.refuse_busy_port(ProxySection(port=port))  # a running Serve keeps its own port
+    monkeypatch.setattr(launch, "_serve_running", lambda: False)
+    with socket.socket() as serve_like:  # another Serve's proxy: SO_REUSEPORT, which Serve's shares
+        serve_like.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        serve_like.bind(("127.0.0.1", 0))
+        serve_like.listen()
+        launch.refuse_busy_port(ProxySection(port=serve_like.getsockname()[1]))
 
 
 def test_a_run_stopped_by_a_config_error_does_not_point_to_a_resume(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,7 +180,10 @@ def start_proxy(
 def refuse_busy_port(section: ProxySection) -> None:
     """A `ConfigError` naming `proxy.port` when Serve would have to start on a port in use (Serve's
     own error is a Ray traceback from its HTTP proxy actor); a running Serve keeps its port."""
-    if section.port and not _serve_running() and not is_free(section.host, section.port):
+    # Serve's HTTP proxy binds with SO_REUSEPORT (unless SERVE_SOCKET_REUSE_PORT_ENABLED=0): it shares
+    # a port with another Serve's, and fails only on a port held by anything else
+    reuse = os.environ.get("SERVE_SOCKET_REUSE_PORT_ENABLED", "1") == "1"
+    if section.port and not _serve_running() and not is_free(section.host, section.port, reuse):
         raise ConfigError(
             f"proxy.port={section.port}: {section.host}:{section.port} is already in use (another proxy "
             "or server); give another port, or proxy.port=0 for any free one"
