@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    """A strict config section: unknown keys and wrong types are rejected, assignments validated."""
+    """A strict config section: unknown keys and wrong types are rejected, assignments validated, and
+    numbers finite (an infinite learning rate or timeout is a typo, not a setting)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)

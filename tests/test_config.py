@@ -123,3 +123,10 @@ def test_a_group_of_one_is_refused() -> None:
     """GSPO's advantages are relative within a group: a group of one trained nothing, silently."""
     with pytest.raises(ConfigError, match="algo.group_size: Input should be greater than or equal to 2"):
         load_config(None, ["algo.group_size=1"])
+
+
+@pytest.mark.parametrize("override", ["trainer.lr=inf", "trainer.lr=.nan", "agents.timeout_s=.inf"])
+def test_a_number_that_is_not_finite_is_refused_in_every_section(override: str) -> None:
+    """`trainer.lr=inf` passed (`nan` only because of its range): every section wants finite numbers."""
+    with pytest.raises(ConfigError, match="Input should be a finite number"):
+        load_config(None, [override])

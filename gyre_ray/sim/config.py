@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from gyre_ray.configbase import Section
 
 
 class SimSection(Section):
     """Simulator settings. Costs default to the reference paper where it gives them (switches)."""
-
-    model_config = ConfigDict(**Section.model_config, allow_inf_nan=False)  # costs must be finite
 
     workload: str = Field("nl2repo", description="Workload preset name or path to a workload YAML / trace.")
     steps: int = Field(48, ge=1, description="RL steps to simulate.")
