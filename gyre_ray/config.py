@@ -188,12 +188,12 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if item["type"] == "extra_forbidden":
             allowed = _allowed_keys(GyreConfig, loc[:-1])
             lines.append(f"  {key}: unknown key; allowed here: {', '.join(allowed)}")
-        elif item["type"] == "value_error" and (not loc or isinstance(item.get("input"), dict)):
+            continue
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "value_error" and (not loc or isinstance(item.get("input"), dict)):
             # a check across keys (of the whole config or a section): its message names them
-            message = item["msg"].removeprefix("Value error, ")
             lines.append(f"  {key}: {message}" if loc else f"  {message}")
         else:
-            message = item["msg"].removeprefix("Value error, ")
             lines.append(f"  {key}: {message} (got {item.get('input')!r})")
     return "\n".join(lines)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.config import GyreConfig, load_config
+from gyre_ray.proxy.store_files import json_object
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -110,15 +111,18 @@ def model_path_overrides(overrides: list[str]) -> list[str]:
 RUN_FOLDER_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json")
 
 
-def run_folder_hint(folder: Path) -> str | None:
+def run_folder_hint(folder: Path, offer_run: bool = True) -> str | None:
     """When `folder` is a run folder given for an HF model folder (its config.json is the run's
-    config): a message starting with the folder, saying what to give instead; else None."""
+    config): a message starting with the folder, saying what to give instead (`offer_run`: the
+    command takes `--run` too); else None."""
     from gyre_ray.checkpoint import CHECKPOINTS, TRAINER_DIR, latest, trainer_dir
 
-    if not folder.is_dir() or _is_hf_config(folder / "config.json"):
+    config = json_object(folder / "config.json", {}) if folder.is_dir() else None
+    if config is None or "vocab_size" in config or "model_type" in config:  # none, or an HF model's
         return None
     run_files = (folder / CHECKPOINTS).is_dir() or any((folder / n).is_file() for n in RUN_FOLDER_FILES)
-    if not run_files and not _is_run_config(folder / "config.json"):
+    run_config = isinstance(config.get("run"), dict) and isinstance(config.get("model"), dict)
+    if not run_files and not run_config:
         return None
     newest = latest(folder)
     if newest is None:
@@ -126,28 +130,14 @@ def run_folder_hint(folder: Path) -> str | None:
             f"{folder} is a run folder, not an HF model folder, and holds no complete checkpoint yet "
             f"(a checkpoint's model folder is {folder / CHECKPOINTS}/step-N/{TRAINER_DIR})"
         )
+    if not offer_run:
+        return (
+            f"{folder} is a run folder, not an HF model folder: give a checkpoint's model folder "
+            f"(e.g. {trainer_dir(newest)})"
+        )
     return (
         f"{folder} is a run folder, not an HF model folder: give --run {folder} (its newest checkpoint) "
         f"or a checkpoint's model folder, e.g. {trainer_dir(newest)}"
-    )
-
-
-def _config_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _is_hf_config(path: Path) -> bool:
-    data = _config_json(path)
-    return isinstance(data, dict) and ("vocab_size" in data or "model_type" in data)
-
-
-def _is_run_config(path: Path) -> bool:
-    data = _config_json(path)
-    return (
-        isinstance(data, dict) and isinstance(data.get("run"), dict) and isinstance(data.get("model"), dict)
     )
 
 

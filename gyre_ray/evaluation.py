@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gyre_ray.agents.outcomes import reason_kind
+from gyre_ray.agents.outcomes import outcome_metrics
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.envs.base import Task, get_task_set
 from gyre_ray.proxy.store_files import json_lines
@@ -91,8 +90,7 @@ def summarize(
         if o.valid:
             by_task[o.task_id].append(float(o.reward))
     scored = [r for rs in by_task.values() for r in rs]
-    dropped = [o for o in outcomes if not o.valid]
-    reasons = Counter(reason_kind(getattr(o, "reason", "") or getattr(o, "detail", "")) for o in dropped)
+    dropped = outcome_metrics(outcomes)
     return {
         "step": step,
         "version": version,
@@ -109,8 +107,8 @@ def summarize(
             }
             for task, rs in sorted(by_task.items())
         },
-        "dropped": len(dropped),
-        "drop_reasons": dict(reasons),  # kind of reason -> executions, as a step's metrics count them
+        "dropped": dropped["dropped"],
+        "drop_reasons": dropped["drop_reasons"],  # kind of reason -> executions, as a step's metrics count
     }
 
 

@@ -205,12 +205,13 @@ def describe_run(folder: Path) -> dict[str, Any]:
     notes: list[str] = []  # files holding what the job never writes: read like torn ones
     config_notes: list[str] = []  # an odd config.json: only its step count is lost, not the status
     logged, rewards = _rewards(folder / "metrics.jsonl", notes)
+    ends = trend_window(len(rewards), FIRST_LAST)  # steps averaged at each end, never overlapping
     run = _blank_run(folder)
     run.update(
         steps_logged=logged,
         steps_configured=_steps_configured(folder, config_notes),
-        reward_first=_mean(rewards[: trend_window(len(rewards), FIRST_LAST)]),
-        reward_last=_mean(rewards[-trend_window(len(rewards), FIRST_LAST) :]),
+        reward_first=_mean(rewards[:ends]),
+        reward_last=_mean(rewards[-ends:]),
         checkpoint_step=_checkpoint_step(folder, notes),
     )
     summary, not_object = None, None

@@ -140,10 +140,11 @@ def train(
     live, restarts = None, []
     progress = {"restored": resume is None}  # a resume changes the folder's config only once restored
     checkpoint = None
-    if resume is not None:  # what a resume may not change, and its checkpoint, before the warm-up
+    resumed = Path(resume).resolve() if resume is not None else None
+    if resumed is not None:  # what a resume may not change, and its checkpoint, before the warm-up
         check_resume_settings(cfg, resume)
-        live_run.refuse_if_alive(cfg, Path(resume).resolve())
-        checkpoint = require_good(Path(resume).resolve(), warn=_say)  # a damaged newest one is skipped
+        live_run.refuse_if_alive(cfg, resumed)
+        checkpoint = require_good(resumed, warn=_say)  # a damaged newest one is skipped
     if attach is not None:  # config.json holds the prepared policy already
         run_dir = Path(attach).resolve()
         live = live_run.attach(cfg, run_dir)
@@ -151,11 +152,11 @@ def train(
     else:
         check_model_path(cfg)  # a missing or torn model folder fails here, not in every cell
         # the warm-up (a no-op when it is off), cached in the runs folder: a resumed run's own parent
-        root = Path(resume).resolve().parent if resume is not None else runs_root(cfg.run.run_dir)
+        root = resumed.parent if resumed is not None else runs_root(cfg.run.run_dir)
         cfg = prepare_policy(cfg, root)
         split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
-    if resume is not None:
-        run_dir = Path(resume).resolve()
+    if resumed is not None:
+        run_dir = resumed
         check_checkpoint_model(cfg, checkpoint)
         start = _resume_folder(cfg, run_dir, checkpoint)
     elif attach is None:

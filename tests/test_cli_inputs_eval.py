@@ -14,20 +14,14 @@ import pytest
 import torch
 
 from gyre_ray.checkpoint import CHECKPOINTS, STATE_FILE, TRAINER_DIR, checkpoint_name
-from gyre_ray.cli import main
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import save_hf
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 from gyre_ray.model.tokenizer import Tokenizer
+from tests.test_cli_user_errors import run
 
 ROW = {"step": 3, "version": 3, "reward_mean": 0.5, "pass_rate": 0.5, "valid": 2, "executions": 2,
        "tasks": {"t": {"reward": 0.5, "pass_rate": 0.5, "valid": 2}}}  # fmt: skip
-
-
-def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

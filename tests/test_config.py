@@ -116,7 +116,10 @@ def test_async_without_a_rollout_cell_is_refused_before_anything_starts(override
     with pytest.raises(ConfigError, match="leaves no rollout cell: give cells.num_cells >= 2") as err:
         load_config(None, overrides)
     assert "<root>" not in str(err.value) and "(got {" not in str(err.value)
-    assert load_config(None, ["scheduler.policy=async", "cells.num_cells=3", "scheduler.async_train_cells=2"])
+    allowed = load_config(
+        None, ["scheduler.policy=async", "cells.num_cells=3", "scheduler.async_train_cells=2"]
+    )
+    assert allowed.scheduler.async_split(allowed.cells.num_cells) == 2
 
 
 def test_a_group_of_one_is_refused() -> None:

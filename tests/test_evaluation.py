@@ -49,6 +49,8 @@ class Outcome:
     reward: float
     valid: bool = True
     reason: str = ""
+    detail: str = ""
+    execution_id: str = "eval-x"
 
 
 def test_a_round_scores_each_task_over_its_scored_executions() -> None:

@@ -17,6 +17,7 @@ then 1 s, where it gives none). Other errors and time-outs are raised at once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import urllib.error
@@ -125,7 +126,7 @@ class ChatClient:
             **(extra_headers or {}),
         }
         data = json.dumps(body).encode()
-        for attempt in range(self.max_retries + 1):
+        for attempt in itertools.count():
             req = urllib.request.Request(self.url, data, headers, method="POST")
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as response:
@@ -137,4 +138,3 @@ class ChatClient:
                 time.sleep(retry_wait_s(error.headers.get("Retry-After"), attempt))
             except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
                 raise ChatAPIError(None, str(error)) from None
-        raise AssertionError("unreachable: the last attempt returns or raises")

@@ -197,10 +197,10 @@ class Qwen3ForCausalLM(nn.Module):
                 f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {(batch, t)}"
             )
         if isinstance(attention_mask, TreeLayout):
-            if past_len or (attention_mask.batch, attention_mask.width) != (batch, t):
+            if kv_cache is not None or (attention_mask.batch, attention_mask.width) != (batch, t):
                 raise ValueError(
                     f"tree layout of {attention_mask.batch} rows x {attention_mask.width} columns does "
-                    f"not fit input_ids {(batch, t)} (a tree layout takes no cached past, got {past_len})"
+                    f"not fit input_ids {(batch, t)} (and takes no KV cache)"
                 )
         elif attention_mask is not None:
             expected = (batch, t, past_len + t)

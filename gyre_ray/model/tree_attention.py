@@ -135,7 +135,7 @@ def _ancestors(segments: tuple[tuple[int, int, int], ...]) -> list[Ranges]:
     """Per segment, the columns of its ancestor segments (a parent comes earlier, so ends before it)."""
     seen: list[Ranges] = []
     for _start, _stop, parent in segments:
-        seen.append([] if parent < 0 else _add(list(seen[parent]), *segments[parent][:2]))
+        seen.append([] if parent < 0 else _add(seen[parent], *segments[parent][:2]))
     return seen
 
 
@@ -160,13 +160,13 @@ def _real_block(
     while k < len(segments) and segments[k][0] < stop:
         seg_start, seg_stop, _ = segments[k]
         lo, hi = max(start, seg_start), min(stop, seg_stop)
-        parts.append((lo, hi, _add(list(ancestors[k]), seg_start, lo), seg_start))
+        parts.append((lo, hi, _add(ancestors[k], seg_start, lo), seg_start))
         k += 1
     shared = parts[0][2]
     union: Ranges = []
     for lo, hi, seen, _ in parts:
         shared = _intersect(shared, seen)
-        union = _union(union, _add(list(seen), lo, hi))
+        union = _union(union, _add(seen, lo, hi))
     rest = _subtract(union, shared)
     ranges = tuple(shared + rest)
     tail = None
@@ -185,11 +185,11 @@ def _real_block(
 def plan_tree(layout: TreeLayout, heads: int, device: torch.device | str = "cpu") -> TreePlan:
     """Query blocks of every row of `layout` (built once per forward, shared by every layer)."""
     device = torch.device(device)
+    size = _block_rows(heads, max(1, layout.width))
     rows = []
     for r, segments in enumerate(layout.rows):
         ancestors = _ancestors(segments)
         real = layout.real_length(r)
-        size = _block_rows(heads, max(1, layout.width))
         blocks = []
         first = 0
         for start in range(0, real, size):
@@ -202,8 +202,9 @@ def plan_tree(layout: TreeLayout, heads: int, device: torch.device | str = "cpu"
             eye = torch.eye(stop - start, dtype=torch.bool, device=device)
             blocks.append(TreeBlock(start, stop, ((start, stop),), 0, eye))
         rows.append(tuple(blocks))
-    mask_bytes = max((sum((b.stop - b.start) * b.keys for b in blocks) for blocks in rows), default=0)
-    return TreePlan(tuple(rows), layout.width, recompute=mask_bytes > RECOMPUTE_ABOVE_MASK_BYTES)
+    # a block's mask is rows x keys bools: what the widest row's blocks would keep for the backward pass
+    kept_mask_bytes = max((sum((b.stop - b.start) * b.keys for b in blocks) for blocks in rows), default=0)
+    return TreePlan(tuple(rows), layout.width, recompute=kept_mask_bytes > RECOMPUTE_ABOVE_MASK_BYTES)
 
 
 def _gather(x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:

@@ -82,16 +82,11 @@ class MetricsLogger:
 
     def _send_pending(self, path: Path) -> None:
         """Rows a resume recovered (already in metrics.jsonl) to wandb, in step order; then forget them."""
+        from gyre_ray.proxy.store_files import json_lines
+
         if not path.is_file():
             return
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
+        rows = [row for row in json_lines(path) if isinstance(row.get("step"), int)]
         for row in sorted(rows, key=lambda r: r["step"]):
             self.last_step = max(self.last_step, row["step"])
             self._send(flatten({k: v for k, v in row.items() if k != "step"}), row["step"])

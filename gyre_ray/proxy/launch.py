@@ -131,8 +131,7 @@ def serve_proxy(
     section = config.proxy
     direct = section.direct_ingress and section.num_replicas == 1
     settings = {**settings, "direct_ingress": direct}
-    port = section.port or free_port(section.host)
-    refuse_busy_port(section)
+    port = section.port or free_port(section.host)  # a port in use: refused before the cells start
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     # controller options only apply when this call starts Serve; a running Serve keeps its own
     # (Serve's HTTP proxy actors inherit the controller's env: a dead replica's calls get a 503)

@@ -48,18 +48,6 @@ def _parse_tokens(text: str) -> list[int]:
         raise ValueError(f"--tokens must be comma-separated integers, got {text!r}") from None
 
 
-def _run_folder_problem(folder: Path) -> str | None:
-    """What to give instead when `folder` is a run folder rather than an HF model folder."""
-    from gyre_ray.checkpoint import latest, trainer_dir
-    from gyre_ray.eval_cli import run_folder_hint
-
-    if run_folder_hint(folder) is None:
-        return None
-    newest = latest(folder)
-    where = f"e.g. {trainer_dir(newest)}" if newest is not None else "it holds no complete checkpoint yet"
-    return f"--model-dir {folder} is a run folder, not an HF model folder: give a checkpoint's model folder ({where})"
-
-
 def _logprobs_command(args: argparse.Namespace) -> int:
     if args.tp < 1 or (args.tp > 1 and args.trainer_backend != "megatron"):
         return _fail(f"--tp {args.tp}: tensor parallelism needs --trainer-backend megatron and tp >= 1")
@@ -67,11 +55,12 @@ def _logprobs_command(args: argparse.Namespace) -> int:
         token_ids = None if args.tokens is None else _parse_tokens(args.tokens)
     except ValueError as exc:
         return _fail(str(exc))
+    from gyre_ray.eval_cli import run_folder_hint
     from gyre_ray.model.checkpoint import load_hf
 
-    problem = _run_folder_problem(Path(args.model_dir))
-    if problem:
-        return _fail(problem)
+    hint = run_folder_hint(Path(args.model_dir), offer_run=False)  # logprobs takes no --run
+    if hint:
+        return _fail(f"--model-dir {hint}")
     try:
         model, model_args = load_hf(args.model_dir, dtype="float32")
     except (OSError, ValueError) as exc:
