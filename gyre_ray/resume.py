@@ -101,7 +101,7 @@ def lost_step_rows(
         return []
     segment_start = int(header.get("first_step", 0))
     offset = _journal_offset(run_dir, segment_start, journaled, logged)
-    return [{**shift(found[s], ("published_at_s",), offset), "step": s} for s in lost]
+    return [{**shift_step(found[s], offset), "step": s} for s in lost]
 
 
 def _journal_offset(

@@ -114,12 +114,17 @@ def test_a_recovered_row_of_a_resumed_segment_gets_that_segments_clock(tmp_path:
         [
             {"run": {"steps": 5, "first_step": 2, "tag": ""}, "version": 2},
             {"published": 2, "version": 3, "metrics": {"step": 2, "published_at_s": 3.0}},
-            {"published": 3, "version": 4, "metrics": {"step": 3, "published_at_s": 4.0}},
+            {
+                "published": 3,
+                "version": 4,
+                "metrics": {"step": 3, "published_at_s": 4.0, "switches": [{"cell": "cell-1", "at_s": 3.5}]},
+            },
         ],
     )
     prepare_resume(tmp_path, 4)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["published_at_s"]) for r in rows][-1] == (3, 103.0)
+    assert rows[-1]["switches"][0]["at_s"] == 102.5  # its switch events on the run's clock too
 
 
 def test_the_checkpoint_keeps_its_steps_row_when_the_journal_has_none(
