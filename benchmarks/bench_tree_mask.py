@@ -120,11 +120,44 @@ def plan_only(turns: int) -> dict:
     }
 
 
-def in_subprocess(*args: str) -> dict:
+def in_subprocess(*args: str, script: str = __file__) -> dict:
+    """`script --child ARGS` in a fresh process (its peak memory its own): the JSON its last line prints."""
     out = subprocess.run(
-        [sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True
+        [sys.executable, script, "--child", *args], check=True, capture_output=True, text=True
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def side_by_side(pair: dict[str, dict]) -> dict:
+    """A case's two runs and their dense / tree ratios of peak memory and CPU seconds."""
+    dense, tree = pair["dense"], pair["tree"]
+    return {
+        **pair,
+        "peak_memory_ratio_dense_over_tree": round(
+            dense["peak_rss_above_baseline_mib"] / max(1.0, tree["peak_rss_above_baseline_mib"]), 2
+        ),
+        "cpu_ratio_dense_over_tree": round(dense["cpu_s"] / tree["cpu_s"], 2),
+    }
+
+
+def save(name: str, model: str, **parts: object) -> Path:
+    """benchmarks/results/<name>_cpu<cores>.json with the date, the machine and the model."""
+    result = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "model": model,
+        **parts,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}_cpu{os.cpu_count()}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {path}")
+    return path
 
 
 def main() -> None:
@@ -147,17 +180,7 @@ def main() -> None:
                 f"{r['calls']:>5} {r['tokens']:>7} {mode:>5} {r['mask_bytes_carried'] / 2**20:>11.3f} "
                 f"{r['peak_rss_above_baseline_mib']:>9.1f} {r['cpu_s']:>7.2f}"
             )
-        cases.append(
-            {
-                **pair,
-                "peak_memory_ratio_dense_over_tree": round(
-                    pair["dense"]["peak_rss_above_baseline_mib"]
-                    / max(1.0, pair["tree"]["peak_rss_above_baseline_mib"]),
-                    2,
-                ),
-                "cpu_ratio_dense_over_tree": round(pair["dense"]["cpu_s"] / pair["tree"]["cpu_s"], 2),
-            }
-        )
+        cases.append(side_by_side(pair))
     plan = in_subprocess("plan", str(args.plan_turns)) if args.plan_turns else None
     if plan:
         print(
@@ -165,22 +188,7 @@ def main() -> None:
             f"{plan['dense_mask_gib']} GiB): {plan['plan_blocks']} blocks in {plan['plan_cpu_s']} s, "
             f"{plan['plan_stored_mask_mib']} MiB of stored mask, layout {plan['layout_pickled_bytes']} bytes"
         )
-    result = {
-        "benchmark": "tree_mask",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
-        "model": "tiny (ModelArgs.tiny(), float32, 1 thread)",
-        "cases": cases,
-        "plan_only": plan,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"tree_mask_cpu{os.cpu_count()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {path}")
+    save("tree_mask", "tiny (ModelArgs.tiny(), float32, 1 thread)", cases=cases, plan_only=plan)
 
 
 if __name__ == "__main__":

@@ -160,3 +160,30 @@ def test_bad_input_is_named(tmp_path: Path) -> None:
             *load_hf(tmp_path / "hf-untied"),
             gspo_loss(),
         )
+
+
+def test_tree_core_attention_equals_the_dense_mask_and_builds_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.megatron_attention=tree (the default) gives Megatron's own dense-mask attention's
+    log-probs, loss and gradients on tree-packed micro-batches without ever forming the dense mask."""
+    from gyre_ray.model.tree_layout import TreeLayout
+
+    folder = hf_folder(tmp_path, tied=False)
+    torch_trainer, tree = trainers(folder)
+    section = TrainerSection(backend="megatron", megatron_attention="dense", **SECTION)
+    dense = make_trainer(section, *load_hf(folder), gspo_loss())
+    assert type(tree.model.decoder.layers[0].self_attention.core_attention).__name__ == "TreeCoreAttention"
+    assert type(dense.model.decoder.layers[0].self_attention.core_attention).__name__ == "DotProductAttention"
+    batches = packed_batches(torch_trainer)
+    assert any(isinstance(b.attention_mask, TreeLayout) and is_tree(b) for b in batches)
+    cases = batches + [plain_batch()]
+    expected = [dense.compute_logprobs(batch) for batch in cases]
+    for batch in batches:
+        dense.forward_backward(batch)
+    monkeypatch.setattr(TreeLayout, "dense", lambda *a, **k: pytest.fail("the tree path built a dense mask"))
+    for batch, want in zip(cases, expected, strict=True):
+        assert float((tree.compute_logprobs(batch) - want).abs().max()) < 1e-5
+    for batch in batches:
+        tree.forward_backward(batch)
+    assert max_relative_error(dense.export_grads(), tree.export_grads()) < 1e-5

@@ -37,3 +37,9 @@ class TrainerSection(Section):
         description="Megatron backend layer spec: local (Megatron's own modules, runs on CPU), te "
         "(Transformer Engine), auto (te where it is installed and CUDA is present).",
     )
+    megatron_attention: Literal["tree", "dense"] = Field(
+        "tree",
+        description="Megatron backend core attention: tree (gyre-ray's attention planned from the "
+        "micro-batch's tree segments: memory linear in the row, docs/megatron.md) or dense (the spec's own "
+        "attention over a dense [B, 1, T, T] mask: T^2 bytes a row).",
+    )

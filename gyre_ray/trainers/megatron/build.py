@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -122,16 +123,27 @@ def transformer_config(args: ModelArgs, tp_size: int, dtype: torch.dtype) -> Any
     )
 
 
-def layer_spec(spec: str) -> Any:
-    """The decoder layer spec: Megatron's own modules ("local") or Transformer Engine's ("te")."""
+def layer_spec(spec: str, attention: str = "tree") -> Any:
+    """The decoder layer spec: Megatron's own modules ("local") or Transformer Engine's ("te"); with
+    `attention="tree"` its core attention is gyre-ray's planned attention (`tree_core.py`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        layer = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    else:
+        layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    if attention == "tree":
+        from gyre_ray.trainers.megatron.tree_core import TreeCoreAttention
+
+        attn = layer.submodules.self_attention  # fresh copies: specs may share their parts
+        attn = replace(attn, submodules=replace(attn.submodules, core_attention=TreeCoreAttention))
+        layer = replace(layer, submodules=replace(layer.submodules, self_attention=attn))
+    elif attention != "dense":
+        raise ValueError(f"unknown Megatron attention {attention!r}; allowed: tree, dense")
+    return layer
 
 
-def build_gpt_model(args: ModelArgs, spec: str, dtype: torch.dtype) -> Any:
+def build_gpt_model(args: ModelArgs, spec: str, dtype: torch.dtype, attention: str = "tree") -> Any:
     """A `GPTModel` with uninitialised weights (this rank's shards); `init_parallel` must have run."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -140,7 +152,7 @@ def build_gpt_model(args: ModelArgs, spec: str, dtype: torch.dtype) -> Any:
     check_divisible(args, tp_size)
     model = GPTModel(
         config=transformer_config(args, tp_size, dtype),
-        transformer_layer_spec=layer_spec(spec),
+        transformer_layer_spec=layer_spec(spec, attention),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         position_embedding_type="rope",

@@ -9,10 +9,12 @@ Forward on a tree-packed `MicroBatch`: Megatron's embedding, then its decoder wi
 - RoPE from the batch's explicit `position_ids` (a branch of a packed tree restarts at its branch
   point's depth): per-token frequencies `[T, B, 1, head_dim]` built from the model's own
   `inv_freq`, which Megatron's un-fused RoPE broadcasts over heads;
-- the tree attention mask as an explicit `[B, 1, T, T]` mask (Megatron's convention: True = masked
-  out) through the local spec's `DotProductAttention`. On GPU the Transformer Engine spec takes the
-  same explicit mask (TE's "arbitrary" mask type, un-fused); packed THD kernels cannot express a
-  tree, so they are not used.
+- tree attention planned once per forward from the batch's `TreeLayout` (`trainer.megatron_attention`
+  `tree`, the default): each layer's core attention is `tree_core.TreeCoreAttention`, which follows
+  the plan (memory linear in the row); with `dense` the spec's own core attention (the local
+  `DotProductAttention`, or on GPU Transformer Engine's with its "arbitrary" mask type, un-fused)
+  takes the tree as an explicit `[B, 1, T, T]` mask (Megatron's convention: True = masked out).
+  Packed THD kernels cannot express a tree, so they are not used.
 
 Logits are vocab-sharded under tensor parallelism; `gather_from_tensor_model_parallel_region` joins
 them (its backward splits the gradient again) and `gyre_ray.trainers.batch.token_logprobs` reads
@@ -43,6 +45,7 @@ from gyre_ray.trainers.batch import MicroBatch, dense_attention_mask, token_logp
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
 from gyre_ray.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, merge_shards, shard, split_rule
+from gyre_ray.trainers.megatron.tree_core import plan_micro_batch
 
 STATE_FILE = "trainer_state_tp{rank}.pt"
 
@@ -83,7 +86,8 @@ class MegatronTrainer(Trainer):
             raise MegatronInputError(
                 f"Megatron trainer: unsupported weight dtype {dtype}; use float32, bfloat16 or float16"
             )
-        self.model = build.build_gpt_model(args, self.spec, dtype)
+        self.attention = section.megatron_attention
+        self.model = build.build_gpt_model(args, self.spec, dtype, self.attention)
         self.params = dict(self.model.named_parameters())
         self._hf_shapes = {k: tuple(v.shape) for k, v in self._untied(hf_state).items()}
         self._load_hf(hf_state)
@@ -107,17 +111,25 @@ class MegatronTrainer(Trainer):
         _check_batch(batch, self.args.vocab_size)
         batch = batch.to(self.device)
         ids = batch.input_ids
-        allowed = dense_attention_mask(batch)  # Megatron's attention takes the dense mask
         hidden = self.model.embedding(input_ids=ids, position_ids=batch.position_ids)  # [T, B, H]
         hidden = self.model.decoder(
             hidden_states=hidden,
-            attention_mask=~allowed[:, None],  # Megatron: True = masked out
+            attention_mask=self._attention_mask(batch),
             rotary_pos_emb=self._rotary(batch.position_ids),
         )
         weight = self.model.shared_embedding_or_output_weight() if self.args.tie_word_embeddings else None
         logits, _ = self.model.output_layer(hidden, weight=weight)  # [T, B, V / tp]
         logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
         return token_logprobs(logits, ids, batch.parent_index)
+
+    def _attention_mask(self, batch: MicroBatch) -> Any:
+        """What the decoder passes each layer's core attention: the micro-batch's attention plan
+        (`tree_core.py`), or for `dense` the explicit [B, 1, T, T] mask (Megatron: True = masked out)."""
+        if self.attention == "tree":
+            heads = self.args.num_attention_heads // self.tp_size
+            rows, length = batch.input_ids.shape
+            return plan_micro_batch(batch.attention_mask, rows, length, heads, self.device)
+        return ~dense_attention_mask(batch)[:, None]
 
     def _rotary(self, position_ids: torch.Tensor) -> torch.Tensor:
         inv_freq = self.model.rotary_pos_emb.inv_freq.to(position_ids.device)
