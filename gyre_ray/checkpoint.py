@@ -119,13 +119,17 @@ def require_latest(run_dir: str | Path) -> Path:
 
 def problem(checkpoint: str | Path) -> str | None:
     """What makes a complete checkpoint unloadable, in a few words, or None when its files read: its
-    state.json parses with a `step`; `trainer/` holds a parseable model config.json, model.safetensors
-    (or an index and its shards) whose headers read and cover the file, and a non-empty, whole
-    trainer_state*.pt (a torch zip archive). Reads headers only, no tensors (no Ray)."""
+    state.json parses with a `step` that is a JSON integer >= 0 (not a string, not a bool); `trainer/`
+    holds a parseable model config.json, model.safetensors (or an index and its shards) whose headers
+    read and cover the file, and a non-empty, whole trainer_state*.pt (a torch zip archive). Reads
+    headers only, no tensors (no Ray)."""
+    from gyre_ray.trajectory.records import is_int
+
     checkpoint = Path(checkpoint)
     try:
-        state = json.loads((checkpoint / STATE_FILE).read_text())
-        int(state["step"])
+        step = json.loads((checkpoint / STATE_FILE).read_text())["step"]
+        if not is_int(step) or step < 0:
+            raise ValueError(f"its step is {json.dumps(step)}, not a JSON integer >= 0")
     except FileNotFoundError:
         return f"no {STATE_FILE}"
     except (OSError, ValueError, TypeError, KeyError) as exc:

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import Any
 
 # Each module exposes `register(subparsers) -> None` and sets `handler` defaults on its parsers.
 COMMAND_MODULES = (
@@ -37,6 +38,42 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
+ONCE_OPTIONS = ("--config",)  # options a second occurrence of is refused (argparse keeps the last)
+
+
+class _StoreOnce(argparse._StoreAction):
+    """A `store` option given twice is an error, not a silent last-one-wins (`--config a --config b`
+    would run b alone: a second config file does not add to the first)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        from gyre_ray.config import ConfigError
+
+        earlier = getattr(namespace, self.dest, self.default)
+        if earlier is not self.default:
+            raise ConfigError(
+                f"{self.option_strings[-1]} given twice ({earlier}, then {values}): give it once (a second "
+                "one would replace the first, not add to it)"
+            )
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _refuse_repeats(parser: argparse.ArgumentParser) -> None:
+    """Make each of ONCE_OPTIONS refuse a second occurrence, on `parser` and every sub-command's parser
+    (the sub-command modules declare them as plain `store` options)."""
+    for action in parser._actions:
+        if type(action) is argparse._StoreAction and set(action.option_strings) & set(ONCE_OPTIONS):
+            action.__class__ = _StoreOnce
+        elif isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _refuse_repeats(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gyre-ray", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -47,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.set_defaults(handler=_config_command)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    _refuse_repeats(parser)
     return parser
 
 
@@ -71,10 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     from gyre_ray.config import ConfigError
 
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except ConfigError as exc:  # an option given twice (`_StoreOnce`)
+        print(f"{_subcommand_parser(parser, words).prog}: {exc}", file=sys.stderr)
+        return 2
     handler = getattr(args, "handler", None)
     if unknown:  # said by the sub-command's parser, with its own usage line (exits 2)
-        words = sys.argv[1:] if argv is None else argv
         _subcommand_parser(parser, words).error(f"unrecognized arguments: {' '.join(unknown)}")
     if handler is None:
         parser.print_help()

@@ -30,6 +30,7 @@ from gyre_ray.transfer.config import TransferSection
 from gyre_ray.warmup.config import WarmupSection
 
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_STEPS = 1_000_000  # far past any run (a step takes seconds at least); a larger run.steps is a typo
 
 
 class RunSection(Section):
@@ -40,7 +41,9 @@ class RunSection(Section):
         description="Run name (letters, digits, ., _, -): the run folder is <run_dir>/<name>-<timestamp>-<pid>.",
     )
     run_dir: str = Field("runs", description="Folder under which run folders are created.")
-    steps: int = Field(1, ge=1, description="RL steps (optimizer updates) to run.")
+    steps: int = Field(
+        1, ge=1, le=MAX_STEPS, description=f"RL steps (optimizer updates) to run (at most {MAX_STEPS:,})."
+    )
     tasks_per_step: int = Field(2, ge=1, description="Distinct tasks per step; each runs group_size times.")
     wandb_mode: Literal["offline", "online", "disabled"] = Field(
         "offline", description="wandb mode (offline needs no network; `wandb sync` uploads later)."
@@ -247,24 +250,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return merged
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's mapping as written (not validated, no defaults filled in), so that a caller
+    can tell which keys the file sets; `ConfigError` when it does not read as one."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path} is not UTF-8 text (a YAML file was expected)") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GyreConfig:
     """Load a YAML config (or the defaults when `path` is None) and apply dotted overrides."""
-    data: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        except UnicodeDecodeError:
-            raise ConfigError(f"config {path} is not UTF-8 text (a YAML file was expected)") from None
-        try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ConfigError(f"config {path} must be a mapping of sections, got {type(data).__name__}")
+    data = read_config_file(path) if path is not None else {}
+    source = "defaults" if path is None else str(path)
     if overrides:
         data = apply_overrides(data, overrides)
         source += " + overrides"

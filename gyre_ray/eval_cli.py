@@ -10,7 +10,8 @@ seeds), prints it, and writes the round as JSON (`--json`, default `<out>/eval.j
 `<out>/` its eval.jsonl, call records and workspaces. `<out>` is `RUN_DIR/evals/<time>` for a run,
 else `<run.run_dir>/eval-<time>`. `--run` takes the newest checkpoint that loads, as `train --resume`
 does (a damaged newer one is skipped with a warning on stderr); a run folder given to `--model-dir`
-and a `model.path=` override beside either source are refused with one line.
+and a `model.path` set beside either source (an override, or the `--config` file) are refused with one
+line. A `proxy.records_dir` given so puts the round's call records there instead of `<out>/records`.
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def _eval_command(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = list(args.overrides) + ([f"run.eval_task_set={args.task_set}"] if args.task_set else [])
     given = f"--run {args.run}" if args.run else f"--model-dir {args.model_dir}"
-    if clash := model_path_overrides(args.overrides):
-        raise ConfigError(f"{given} names the model; drop {clash[0]!r} (give one of them, not both)")
+    if args.run and args.config:
+        raise ConfigError("--run uses the run folder's config.json; give overrides, not --config")
+    if clash := given_setting("model", "path", args.overrides, args.config):
+        raise ConfigError(f"{given} names the model; drop {clash} (give one of them, not both)")
     if args.run:
-        if args.config:
-            raise ConfigError("--run uses the run folder's config.json; give overrides, not --config")
         cfg = resume_config(args.run, overrides)
         try:
             saved, step = newest_good_checkpoint(args.run)
@@ -81,6 +82,10 @@ def _eval_command(args: argparse.Namespace) -> int:
         check_hf_folder(model_dir)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load the model: {exc}") from None
+    if not given_setting("proxy", "records_dir", args.overrides, args.config):  # else the one given
+        cfg = cfg.model_copy(
+            update={"proxy": cfg.proxy.model_copy(update={"records_dir": str(out.resolve() / "records")})}
+        )
     row = evaluate(cfg, model_dir, out, step)
     text = json.dumps(row, indent=2)
     if args.json == "-":
@@ -95,17 +100,25 @@ def _eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_path_overrides(overrides: list[str]) -> list[str]:
-    """The overrides that set `model.path` (`model.path=X`, or `model={path: X}`): a command whose
-    --run / --model-dir names the model refuses them rather than drop one of the two."""
-    from gyre_ray.config import parse_override
+def given_setting(
+    section: str, key: str, overrides: list[str], config_file: str | Path | None = None
+) -> str | None:
+    """Where the command line itself sets `section.key`: the first override that does (`section.key=X`
+    or `section={key: X}`), quoted, else `section.key in FILE` when the `--config` file sets it to other
+    than its default; None when neither does. A command whose --run / --model-dir names the model
+    refuses a `model.path` given so rather than drop one of the two."""
+    from gyre_ray.config import parse_override, read_config_file
 
-    found = []
     for text in overrides:
         parts, value = parse_override(text)
-        if parts == ["model", "path"] or (parts == ["model"] and isinstance(value, dict) and "path" in value):
-            found.append(text)
-    return found
+        if parts == [section, key] or (parts == [section] and isinstance(value, dict) and key in value):
+            return repr(text)
+    table = read_config_file(config_file).get(section) if config_file is not None else None
+    if isinstance(table, dict) and key in table:
+        default = getattr(GyreConfig.model_fields[section].annotation, "model_fields", {})[key].default
+        if table[key] != default:
+            return f"{section}.{key} in {config_file}"
+    return None
 
 
 RUN_FOLDER_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json")
@@ -175,7 +188,9 @@ def _check_outputs(out: Path, json_path: str | None) -> None:
 def evaluate(
     cfg: GyreConfig, model_dir: str | Path, out: str | Path, step: int = 0, execute: Any = None
 ) -> dict[str, Any]:
-    """One evaluation round of the policy in `model_dir` (after `step` updates); returns its row."""
+    """One evaluation round of the policy in `model_dir` (after `step` updates); returns its row. Its
+    executions' workspaces go under `out`, their call records to `cfg.proxy.records_dir` (the command
+    sets `<out>/records` there unless told another folder)."""
     import ray
 
     from gyre_ray.evaluation import EvalRunner
@@ -186,11 +201,7 @@ def evaluate(
     out.mkdir(parents=True, exist_ok=True)
     run = cfg.run.model_copy(update={"eval_every": cfg.run.eval_every or 1})  # a held-out split either way
     cfg = cfg.model_copy(
-        update={
-            "run": run,
-            "model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())}),
-            "proxy": cfg.proxy.model_copy(update={"records_dir": str(out / "records")}),
-        }
+        update={"run": run, "model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())})}
     )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
     workers = None

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from gyre_ray.checkpoint import CHECKPOINTS, STATE_FILE, TRAINER_DIR, checkpoint_name
 from gyre_ray.cli import main
@@ -34,6 +35,7 @@ def checkpointed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = Qwen3ForCausalLM(args)
     init_weights(model, seed=1)
     save_hf(model, args, saved / TRAINER_DIR, Tokenizer.default())
+    torch.save({"step": 3}, saved / TRAINER_DIR / "trainer_state.pt")  # what a good checkpoint holds
     (saved / STATE_FILE).write_text(json.dumps({"step": 3}))
     return run_dir
 

@@ -39,19 +39,22 @@ def _fail(message: str) -> int:
 
 
 def _policy_overrides(args: argparse.Namespace) -> list[str]:
-    """`model.path` for --run (its newest complete checkpoint's trainer folder) or --model-dir."""
-    from gyre_ray.checkpoint import CheckpointError, require_latest, trainer_dir
+    """`model.path` for --run (its newest good checkpoint's trainer folder, as `eval --run` takes it: a
+    damaged newer one is skipped with a warning on stderr) or --model-dir."""
+    from gyre_ray.checkpoint import CheckpointError, trainer_dir
     from gyre_ray.config import ConfigError
-    from gyre_ray.eval_cli import model_path_overrides
+    from gyre_ray.eval_cli import given_setting, newest_good_checkpoint
 
     if args.run and args.model_dir:
         raise ConfigError("give --run or --model-dir, not both")
     given = f"--run {args.run}" if args.run else f"--model-dir {args.model_dir}"
-    if (args.run or args.model_dir) and (clash := model_path_overrides(args.overrides)):
-        raise ConfigError(f"{given} names the model; drop {clash[0]!r} (give one of them, not both)")
+    if (args.run or args.model_dir) and (
+        clash := given_setting("model", "path", args.overrides, args.config)
+    ):
+        raise ConfigError(f"{given} names the model; drop {clash} (give one of them, not both)")
     if args.run:
         try:
-            return [f"model.path={trainer_dir(require_latest(args.run))}"]
+            return [f"model.path={trainer_dir(newest_good_checkpoint(args.run)[0])}"]
         except CheckpointError as exc:
             raise ConfigError(f"--run {args.run}: {exc}") from None
     return [f"model.path={args.model_dir}"] if args.model_dir else []
