@@ -6,7 +6,9 @@ records, workspaces, metric rows and evaluation rounds after the checkpoint) is 
 `abandoned/<time>/`, so the store never appends to an old record file and every figure counts each
 step once. A step before S whose metrics row the killed driver never wrote (it died between the
 checkpoint and its next poll) gets its row back from the scheduler's journal (its `published` event)
-or from the checkpoint's `state.json`, before the new segment's scheduler starts the journal afresh.
+or from the checkpoint's `state.json`, before the new segment's scheduler starts the journal afresh;
+so do the trace rows of that segment's executions of steps before S (it wrote no trace.jsonl: it
+was killed before its end), from the journal's launches, ends and group figures.
 When the run ends, its trace, spans and switch events are merged after those of the earlier segment
 (times shifted to follow it), so `gyre-ray report` draws the whole run.
 """
@@ -24,7 +26,8 @@ from gyre_ray.checkpoint import STATE_FILE, complete_checkpoints
 from gyre_ray.evaluation import EVAL_FILE
 from gyre_ray.observability.metrics import WANDB_PENDING_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
-from gyre_ray.runtime.journal import JOURNAL_NAME
+from gyre_ray.runtime.journal import JOURNAL_NAME, RunJournal
+from gyre_ray.runtime.recorder import trace_row
 
 _TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
 _EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
@@ -41,7 +44,11 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
-    """Set aside what the folder holds of steps >= `first_step`; returns {"moved": n, "to": folder}."""
+    """Set aside what the folder holds of steps >= `first_step` (records and workspaces moved, rows of
+    metrics.jsonl, trace.jsonl and eval.jsonl copied, under `abandoned/<time>/`); put back the metrics
+    and trace rows of steps before it that a killed segment never wrote. Returns {"moved": entries,
+    "rows_set_aside": rows, "to": folder, "recovered": [steps whose metrics row came back],
+    "recovered_trace": trace rows that came back}."""
     run_dir = Path(run_dir)
     kept_eval = [r for r in _read_jsonl(run_dir / EVAL_FILE) if r["step"] <= first_step]
     evaluated = {r["step"] for r in kept_eval}
@@ -65,6 +72,21 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
     metrics = run_dir / "metrics.jsonl"
     kept = [r for r in _read_jsonl(metrics) if r["step"] < first_step]
     recovered = lost_step_rows(run_dir, first_step, kept)
+    kept_trace = earlier_trace(run_dir, first_step)
+    set_aside_rows = 0
+    for name in ("metrics.jsonl", "trace.jsonl", EVAL_FILE):  # their rows of later steps: kept aside
+        rows = [
+            r
+            for r in _read_jsonl(run_dir / name)
+            if (r not in kept_eval if name == EVAL_FILE else r["step"] >= first_step)
+        ]
+        if rows:
+            aside.mkdir(parents=True, exist_ok=True)
+            _write_jsonl(aside / name, rows)
+            set_aside_rows += len(rows)
+    recovered_trace = lost_trace_rows(run_dir, first_step, kept_trace)  # reads metrics.jsonl as it was
+    if recovered_trace:
+        _write_jsonl(run_dir / "trace.jsonl", sorted(kept_trace + recovered_trace, key=lambda r: r["start"]))
     if metrics.is_file() or recovered:
         _write_jsonl(metrics, sorted(kept + recovered, key=lambda r: r["step"]))
     if recovered:  # the resumed run's metrics logger sends them to wandb, which never had them
@@ -72,7 +94,13 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
         _write_jsonl(run_dir / WANDB_PENDING_FILE, sorted(pending + recovered, key=lambda r: r["step"]))
     if (run_dir / EVAL_FILE).is_file():
         _write_jsonl(run_dir / EVAL_FILE, kept_eval)
-    return {"moved": moved, "to": str(aside) if moved else None, "recovered": [r["step"] for r in recovered]}
+    return {
+        "moved": moved,
+        "rows_set_aside": set_aside_rows,
+        "to": str(aside) if moved or set_aside_rows else None,
+        "recovered": [r["step"] for r in recovered],
+        "recovered_trace": len(recovered_trace),
+    }
 
 
 def lost_step_rows(
@@ -102,6 +130,63 @@ def lost_step_rows(
     segment_start = int(header.get("first_step", 0))
     offset = _journal_offset(run_dir, segment_start, journaled, logged)
     return [{**shift_step(found[s], offset), "step": s} for s in lost]
+
+
+def lost_trace_rows(
+    run_dir: str | Path, first_step: int, kept_rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The trace.jsonl rows (`recorder.trace_row`) of the journaled segment's executions of steps <
+    `first_step` that it published, which `kept_rows` (trace.jsonl's rows) lacks by `exec_id`: the
+    segment was killed before it wrote its trace. Built from the journal's launches, ends and group
+    figures as the recorder builds them (an execution with no end ends at the segment's last publish)
+    and moved onto the run's clock as `lost_step_rows` moves metrics. A journal written before
+    launches carried their trace facts gives none."""
+    run_dir = Path(run_dir)
+    state = RunJournal.read(run_dir)
+    if state is None:
+        return []
+    have = {r.get("exec_id") for r in kept_rows}
+    published = {int(event["batch"]) for event in state.published}
+    lost = [
+        (e, facts)
+        for e, facts in sorted(state.launches.items())
+        if int(facts["step"]) < first_step
+        and int(facts["step"]) in published
+        and facts["execution_id"] not in have
+    ]
+    if not lost:
+        return []
+    journaled = {
+        int(m.get("step", event["batch"])): m
+        for event in state.published
+        if isinstance(m := event["metrics"], dict)
+    }
+    times = [
+        float(m["published_at_s"])
+        for m in journaled.values()
+        if isinstance(m.get("published_at_s"), (int, float))
+    ]
+    last_publish = max(times, default=0.0)  # where the recorder ends an execution that never ended
+    offset = _journal_offset(
+        run_dir, int(state.header.get("first_step", 0)), journaled, earlier_steps(run_dir, first_step)
+    )
+    rows = []
+    for e, facts in lost:
+        o = state.outcomes.get(e)
+        outcome = (
+            (bool(o.get("timed_out")), bool(o.get("valid")), float(o.get("reward") or 0.0)) if o else None
+        )
+        row = trace_row(
+            (float(facts["at_s"]), state.ended_at.get(e, last_publish)),
+            facts["group"],
+            int(facts["step"]),
+            facts["execution_id"],
+            int(facts["version"]),
+            outcome,
+            state.exec_stats.get(facts["execution_id"], {}),
+        )
+        rows.append(shift(row, ("start", "end"), offset))
+    return rows
 
 
 def _journal_offset(

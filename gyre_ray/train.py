@@ -428,16 +428,21 @@ def _resume_folder(cfg: GyreConfig, run_dir: Path, checkpoint: Path | None) -> t
             f"{run_dir} has done {first_step} step(s), run.steps={cfg.run.steps}: nothing to resume "
             f"(give run.steps={first_step + 1} or more to go on)"
         )
-    offset = segment_offset(run_dir, first_step)
     aside = prepare_resume(run_dir, first_step)
-    if aside["moved"]:
+    offset = segment_offset(run_dir, first_step)  # after the rows the resume put back
+    if aside["moved"] or aside["rows_set_aside"]:
         print(
-            f"gyre-ray: {aside['moved']} record/workspace entries of steps >= {first_step} moved to {aside['to']}"
+            f"gyre-ray: {aside['moved']} record/workspace entries and {aside['rows_set_aside']} metrics/trace/"
+            f"eval rows of steps >= {first_step} set aside in {aside['to']}"
         )
     if aside.get("recovered"):
         print(
             f"gyre-ray: metrics of step(s) {', '.join(map(str, aside['recovered']))} (published, never "
             "logged: the driver stopped first) put back into metrics.jsonl"
+        )
+    if aside.get("recovered_trace"):
+        print(
+            f"gyre-ray: {aside['recovered_trace']} trace row(s) of steps the killed segment published put back into trace.jsonl (from its journal)"
         )
     return checkpoint, first_step, offset
 

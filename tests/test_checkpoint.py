@@ -97,6 +97,10 @@ def test_prepare_resume_sets_aside_what_came_after_the_checkpoint(tmp_path: Path
         (tmp_path / "workspaces" / name).mkdir()
     _jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(4)])
     _jsonl(tmp_path / "eval.jsonl", [{"step": 0}, {"step": 1}, {"step": 3}])  # step 2's round never ended
+    _jsonl(
+        tmp_path / "trace.jsonl",
+        [{"step": 1, "start": 0.0, "end": 1.0}, {"step": 2, "start": 1.0, "end": 2.0}],
+    )
     moved = prepare_resume(tmp_path, 2)
     assert moved["moved"] == 6
     assert sorted(p.stem for p in (tmp_path / "records").iterdir()) == [
@@ -108,6 +112,12 @@ def test_prepare_resume_sets_aside_what_came_after_the_checkpoint(tmp_path: Path
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     assert [json.loads(x)["step"] for x in (tmp_path / "eval.jsonl").read_text().splitlines()] == [0, 1]
     assert (Path(moved["to"]) / "records" / "s10-vowels-1.jsonl").is_file()
+    # the rows of steps it drops from metrics.jsonl, trace.jsonl and eval.jsonl are kept aside, not lost
+    assert moved["rows_set_aside"] == 4
+    aside = Path(moved["to"])
+    assert [json.loads(x)["step"] for x in (aside / "metrics.jsonl").read_text().splitlines()] == [2, 3]
+    assert [json.loads(x)["step"] for x in (aside / "eval.jsonl").read_text().splitlines()] == [3]
+    assert [json.loads(x)["step"] for x in (aside / "trace.jsonl").read_text().splitlines()] == [2]
 
 
 def test_merge_segments_puts_the_resumed_times_after_the_earlier_ones(tmp_path: Path) -> None:

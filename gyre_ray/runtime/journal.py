@@ -1,18 +1,22 @@
 """The scheduler's journal: the little a restarted scheduler actor cannot rebuild from the cells and the store.
 
     journal = RunJournal.begin(run_dir, header, v)  # a run starts at version v: the file starts afresh
-    journal.launched(exec_id, cell)                 # an execution's harness was handed to `workers`
-    journal.ended(exec_id, outcome.to_dict())       # its outcome came back
+    journal.launched(exec_id, cell, at_s=t, ...)    # an execution's harness was handed to `workers`
+    journal.ended(exec_id, outcome.to_dict(), t)    # its outcome came back
     journal.published(batch, version, metrics)      # update `batch` is published at `version`
     journal.fault(event); journal.group_stats(stats) # a cell lost; a group's per-execution figures
     state = RunJournal.replay(run_dir, header)      # a restarted actor: None unless the same run
+    state = RunJournal.read(run_dir)                # the last journaled run, whichever it is (a resume)
     call = RunJournal.unfinished_call(run_dir, ns)  # a restarted actor with no driver: what to resume
 
 One JSON object per line in `<run_dir>/scheduler-journal.jsonl`, appended and flushed at each event
 (the scheduler's process dying loses nothing written; a torn last line is ignored on replay). The
 header names the run (`steps`, `first_step`, `tag`), so a restarted actor only replays its own run.
 Everything else is rebuilt: records from the store, micro-batches from the records, roles and
-versions from the cells (`gyre_ray.runtime.reattach`).
+versions from the cells (`gyre_ray.runtime.reattach`). A launch and an end also carry what the
+execution's `trace.jsonl` row needs (its time on the recorder's clock, id, group, step, start version),
+so a resume recovers the rows of a segment killed before it wrote its trace
+(`gyre_ray.resume.lost_trace_rows`); journals written before those fields replay all the same.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from gyre_ray.proxy.store_files import json_lines
 
 JOURNAL_NAME = "scheduler-journal.jsonl"
+_LAUNCH_FACTS = ("at_s", "execution_id", "group", "step", "version")  # a `launched` event's trace facts
 
 
 @dataclass
@@ -38,6 +43,10 @@ class JournalState:
     published: list[dict[str, Any]] = field(default_factory=list)  # {"batch", "version", "metrics"}
     faults: list[dict[str, Any]] = field(default_factory=list)  # cell losses, as the summary lists them
     exec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # per execution, from its group
+    # a launch's trace facts (`at_s`, `execution_id`, `group`, `step`, `version`) and an end's time, on
+    # the recorder's clock: absent from journals written before launches and ends carried them
+    launches: dict[int, dict[str, Any]] = field(default_factory=dict)
+    ended_at: dict[int, float] = field(default_factory=dict)
 
 
 class RunJournal:
@@ -89,6 +98,12 @@ class RunJournal:
     @staticmethod
     def replay(run_dir: str | Path, header: dict[str, Any]) -> JournalState | None:
         """The state of the journaled run if it is the run `header` names; else None."""
+        state = RunJournal.read(run_dir)
+        return state if state is not None and state.header == header else None
+
+    @staticmethod
+    def read(run_dir: str | Path) -> JournalState | None:
+        """The state of the run the journal holds (the last one begun); None without one."""
         state: JournalState | None = None
         for event in json_lines(Path(run_dir) / JOURNAL_NAME):  # up to a line torn by the writer's death
             if "run" in event:
@@ -96,9 +111,14 @@ class RunJournal:
             elif state is None:
                 return None
             elif "launched" in event:
-                state.launched[int(event["launched"])] = int(event["cell"])
+                exec_id = int(event["launched"])
+                state.launched[exec_id] = int(event["cell"])
+                if all(k in event for k in _LAUNCH_FACTS):
+                    state.launches[exec_id] = {k: event[k] for k in _LAUNCH_FACTS}
             elif "ended" in event:
                 state.outcomes[int(event["ended"])] = event["outcome"]
+                if isinstance(event.get("at_s"), (int, float)):
+                    state.ended_at[int(event["ended"])] = float(event["at_s"])
             elif "fault" in event:
                 state.faults.append(event["fault"])
             elif "group_stats" in event:
@@ -107,15 +127,28 @@ class RunJournal:
                 state.published.append(
                     {"batch": event["published"], "version": event["version"], "metrics": event["metrics"]}
                 )
-        if state is None or state.header != header:
-            return None
         return state
 
-    def launched(self, exec_id: int, cell: int) -> None:
-        self._write({"launched": exec_id, "cell": cell})
+    def launched(
+        self,
+        exec_id: int,
+        cell: int,
+        *,
+        at_s: float | None = None,
+        execution_id: str | None = None,
+        group: str | None = None,
+        step: int | None = None,
+        version: int | None = None,
+    ) -> None:
+        """Execution `exec_id` handed to `workers` for `cell`; with its trace facts: launched at `at_s`
+        (the recorder's clock), `execution_id`, `group` (the trace's task), `step` and the policy
+        `version` it starts with."""
+        facts = zip(_LAUNCH_FACTS, (at_s, execution_id, group, step, version), strict=True)
+        self._write({"launched": exec_id, "cell": cell, **{k: v for k, v in facts if v is not None}})
 
-    def ended(self, exec_id: int, outcome: dict[str, Any]) -> None:
-        self._write({"ended": exec_id, "outcome": outcome})
+    def ended(self, exec_id: int, outcome: dict[str, Any], at_s: float | None = None) -> None:
+        """Execution `exec_id`'s outcome came back at `at_s` (the recorder's clock)."""
+        self._write({"ended": exec_id, "outcome": outcome, **({} if at_s is None else {"at_s": at_s})})
 
     def published(self, batch: int, version: int, metrics: dict[str, Any]) -> None:
         self._write({"published": batch, "version": version, "metrics": metrics})

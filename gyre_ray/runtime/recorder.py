@@ -9,6 +9,7 @@ Times are seconds since the run started.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from typing import Any
 
 from gyre_ray.agents.outcomes import outcome_metrics
@@ -51,6 +52,35 @@ def rewards_by_task(pairs: list[tuple[str, float]]) -> dict[str, float]:
     for task, reward in pairs:
         grouped.setdefault(task, []).append(reward)
     return {task: statistics.fmean(values) for task, values in sorted(grouped.items())}
+
+
+def trace_row(
+    span: tuple[float, float],
+    task: str,
+    step: int,
+    exec_id: str,
+    version: int,
+    outcome: tuple[bool, bool, float] | None,
+    stats: Mapping[str, Any],
+) -> dict[str, Any]:
+    """One `trace.jsonl` row: an execution launched at `span[0]` on policy `version`, ended at `span[1]`
+    (seconds on the recorder's clock) with `outcome` (timed_out, valid, reward; None: no outcome came
+    back), and `stats` its group's figures of it (calls, tokens, trajectories kept)."""
+    timed_out, valid, reward = outcome if outcome is not None else (False, False, 0.0)
+    return {
+        "start": round(span[0], 4),
+        "end": round(span[1], 4),
+        "task": task,
+        "step": step,
+        "timed_out": bool(timed_out),
+        "exec_id": exec_id,
+        "calls": int(stats.get("calls", 0)),
+        "tokens": int(stats.get("tokens", 0)),
+        "trajectories": int(stats.get("trajectories", 0)),
+        "dropped": not valid,
+        "version": version,
+        "reward": round(reward, 6) if valid else None,
+    }
 
 
 class RunRecorder:
@@ -219,22 +249,16 @@ class RunRecorder:
         rows = []
         for e in sorted(self.start, key=lambda e: (self.start[e], e)):
             item, outcome = sched.planned[e], self.outcome.get(e)
-            stats = self.exec_stats.get(item.execution_id, {})
             rows.append(
-                {
-                    "start": round(self.start[e], 4),
-                    "end": round(self.end.get(e, self.last_publish), 4),
-                    "task": item.group,
-                    "step": sched.ledger.batch_of[e],
-                    "timed_out": bool(outcome.timed_out) if outcome else False,
-                    "exec_id": item.execution_id,
-                    "calls": int(stats.get("calls", 0)),
-                    "tokens": int(stats.get("tokens", 0)),
-                    "trajectories": int(stats.get("trajectories", 0)),
-                    "dropped": not (outcome.valid if outcome else False),
-                    "version": self.version[e],
-                    "reward": round(outcome.reward, 6) if outcome and outcome.valid else None,
-                }
+                trace_row(
+                    (self.start[e], self.end.get(e, self.last_publish)),
+                    item.group,
+                    sched.ledger.batch_of[e],
+                    item.execution_id,
+                    self.version[e],
+                    None if outcome is None else (outcome.timed_out, outcome.valid, outcome.reward),
+                    self.exec_stats.get(item.execution_id, {}),
+                )
             )
         return rows
 

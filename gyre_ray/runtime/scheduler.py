@@ -323,7 +323,10 @@ class RunScheduler(CellRecovery, SchedulerReattach):
             item = self.planned[action.exec_id]
             ref = self._start_execution(item, key["api_key"])
             self.running[ref] = RunningExecution(action.exec_id, action.cell_id, now, self.trainer_version)
-            self.journal.launched(action.exec_id, action.cell_id)
+            self.journal.launched(
+                action.exec_id, action.cell_id, at_s=now, execution_id=item.execution_id, group=item.group,
+                step=self.ledger.batch_of[action.exec_id], version=self.trainer_version,
+            )  # fmt: skip
             self.ledger.launch(action.exec_id, action.cell_id, now, self.trainer_version)
             self.recorder.launched(action.exec_id, now, self.trainer_version)
         self.recorder.loads(self, now)
@@ -426,7 +429,7 @@ class RunScheduler(CellRecovery, SchedulerReattach):
             return self._relaunch(run)
         now = self._now()
         self.outcomes[run.exec_id] = outcome
-        self.journal.ended(run.exec_id, outcome.to_dict())
+        self.journal.ended(run.exec_id, outcome.to_dict(), now)
         self.ledger.end(run.exec_id, outcome.duration_s, outcome.timed_out)
         self.recorder.ended(run.exec_id, now, outcome)
         self.recorder.loads(self, now)
