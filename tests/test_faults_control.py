@@ -27,6 +27,7 @@ from fault_workload import (  # noqa: E402
 )
 
 from gyre_ray.runtime.cluster import Runtime  # noqa: E402
+from gyre_ray.runtime.journal import RunJournal  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -56,6 +57,22 @@ def wait_for_calls(rt: Runtime, run_ref, calls: int, timeout_s: float = 300.0) -
     raise AssertionError("the executions made no calls")
 
 
+def check_one_clock(rt: Runtime, result: dict, killed_at: float) -> None:
+    """The restarted scheduler went on with the dead one's clock: the trace keeps each execution's
+    journaled launch time (it was 0.0 for every execution launched before the restart), the update
+    is published after the kill on that clock, and the makespan covers the time before the kill."""
+    journal = RunJournal.read(rt.folder)
+    assert journal is not None and journal.clock_wall is not None
+    launched_at = {facts["execution_id"]: facts["at_s"] for facts in journal.launches.values()}
+    assert launched_at and all(
+        row["start"] == round(launched_at[row["exec_id"]], 4) for row in result["trace"]
+    )
+    published_wall = journal.clock_wall + result["steps"][0]["published_at_s"]
+    assert killed_at <= published_wall <= time.time(), (killed_at, published_wall)
+    first_start = min(row["start"] for row in result["trace"])
+    assert result["costs"]["makespan_s"] >= killed_at - (journal.clock_wall + first_start)
+
+
 def test_scheduler_actor_dies_mid_step(runtime) -> None:
     rt = runtime
     start = ray.get(rt.core.state_dict.remote(), timeout=60)
@@ -63,8 +80,10 @@ def test_scheduler_actor_dies_mid_step(runtime) -> None:
     run_ref = rt.scheduler.run.remote(1, scheduler={"policy": "colocate", "staleness": 0}, tag="s-")
     wait_for_calls(rt, run_ref, calls=4)  # about one call per execution: every harness mid-way
     old_pid = ray.get(rt.scheduler.pid.remote(), timeout=30)
+    killed_at = time.time()
     ray.kill(rt.scheduler, no_restart=False)
     result = ray.get(run_ref, timeout=600)
+    check_one_clock(rt, result, killed_at)
     assert ray.get(rt.scheduler.pid.remote(), timeout=30) != old_pid  # a new process answered
     restarts = result["scheduler_restarts"]
     print("scheduler restarts", restarts)

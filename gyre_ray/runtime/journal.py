@@ -5,6 +5,7 @@
     journal.ended(exec_id, outcome.to_dict(), t)    # its outcome came back
     journal.published(batch, version, metrics)      # update `batch` is published at `version`
     journal.fault(event); journal.group_stats(stats) # a cell lost; a group's per-execution figures
+    journal.clock(wall)                             # the run's clock reads 0 at time.time() == wall
     state = RunJournal.replay(run_dir, header)      # a restarted actor: None unless the same run
     state = RunJournal.read(run_dir)                # the last journaled run, whichever it is (a resume)
     call = RunJournal.unfinished_call(run_dir, ns)  # a restarted actor with no driver: what to resume
@@ -47,6 +48,7 @@ class JournalState:
     # the recorder's clock: absent from journals written before launches and ends carried them
     launches: dict[int, dict[str, Any]] = field(default_factory=dict)
     ended_at: dict[int, float] = field(default_factory=dict)
+    clock_wall: float | None = None  # time.time() at the run clock's 0 (a restarted actor goes on with it)
 
 
 class RunJournal:
@@ -119,6 +121,8 @@ class RunJournal:
                 state.outcomes[int(event["ended"])] = event["outcome"]
                 if isinstance(event.get("at_s"), (int, float)):
                     state.ended_at[int(event["ended"])] = float(event["at_s"])
+            elif "clock" in event:
+                state.clock_wall = float(event["clock"])
             elif "fault" in event:
                 state.faults.append(event["fault"])
             elif "group_stats" in event:
@@ -152,6 +156,10 @@ class RunJournal:
 
     def published(self, batch: int, version: int, metrics: dict[str, Any]) -> None:
         self._write({"published": batch, "version": version, "metrics": metrics})
+
+    def clock(self, wall: float) -> None:
+        """The run's clock (what every `at_s` here reads) was 0 at `time.time() == wall`."""
+        self._write({"clock": wall})
 
     def fault(self, event: dict[str, Any]) -> None:
         self._write({"fault": event})

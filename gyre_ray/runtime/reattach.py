@@ -60,6 +60,15 @@ class SchedulerReattach:
         self.journal = RunJournal.resume(self.run_dir)
         return state
 
+    def _go_on_with_clock(self, state: JournalState) -> None:
+        """Run on the dead actor's clock (its journaled `clock`, read through `time.time()`, so another
+        node's clock skew shifts it), so launches, ends, spans and publishes before and after the
+        restart share one time line; a journal without one starts the clock now."""
+        if state.clock_wall is not None:
+            self.t0 = time.monotonic() - max(0.0, time.time() - state.clock_wall)
+        published = [row["metrics"].get("published_at_s") for row in state.published]
+        self.recorder.last_publish = max([p for p in published if isinstance(p, (int, float))], default=0.0)
+
     def _reattach(self, state: JournalState) -> None:
         """Rebuild the run from `state`, the cells, `workers` and the store (module docstring)."""
         started = time.monotonic()
@@ -78,7 +87,7 @@ class SchedulerReattach:
             self.step_metrics.append(metrics)
             self.updates += 1
         for group in self.groups:
-            self._process_if_ended(group, 0.0)
+            self._process_if_ended(group, self._now())
         self.scheduler_restarts.append({
             "at_step": self.updates, "executions_reattached": booked["running"],
             "executions_ended_before": booked["ended"], "executions_relaunched": 0,
@@ -96,17 +105,19 @@ class SchedulerReattach:
         live = [i for i, v in enumerate(self.views) if not self._restarting(i)]
         for exec_id, cell in sorted(state.launched.items()):
             cell = cell if cell in live else live[0]
-            self.ledger.launch(exec_id, cell, 0.0, self.trainer_version)
-            self.recorder.launched(exec_id, 0.0, self.trainer_version)
+            facts = state.launches.get(exec_id, {})  # the launch's time and version (older journals: none)
+            start, version = float(facts.get("at_s", 0.0)), int(facts.get("version", self.trainer_version))
+            self.ledger.launch(exec_id, cell, start, version)
+            self.recorder.launched(exec_id, start, version)
             if exec_id in state.outcomes:
                 outcome = ExecutionOutcome(**state.outcomes[exec_id])
                 self.outcomes[exec_id] = outcome
                 self.ledger.end(exec_id, outcome.duration_s, outcome.timed_out)
-                self.recorder.ended(exec_id, 0.0, outcome)
+                self.recorder.ended(exec_id, state.ended_at.get(exec_id, start + outcome.duration_s), outcome)
                 counts["ended"] += 1
                 continue
             ref = self.workers.outcome_of.remote(self.planned[exec_id].execution_id)
-            self.running[ref] = RunningExecution(exec_id, cell, 0.0, self.trainer_version)
+            self.running[ref] = RunningExecution(exec_id, cell, start, version)
             counts["running"] += 1
         return counts
 
@@ -168,7 +179,7 @@ class SchedulerReattach:
         else:
             return False
         ray.get(call, timeout=CALL_TIMEOUT_S)
-        self.views[index].enter(CellPhase.ROLLOUT, 0.0)
+        self.views[index].enter(CellPhase.ROLLOUT, self._now())
         return True
 
     def _rejoin_restarted(self, index: int) -> None:

@@ -191,10 +191,13 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         journaled = self._open_journal(
             {"steps": steps, "first_step": first_step, "tag": tag}, self.trainer_version
         )
-        if journaled is not None:  # this actor was restarted mid-run: pick the run up
+        if journaled is not None:  # this actor was restarted mid-run: pick the run up, on its clock
+            self._go_on_with_clock(journaled)
             self._reattach(journaled)
         self._initial_roles()
-        self.t0 = time.monotonic()
+        if journaled is None:
+            self.t0 = time.monotonic()
+            self.journal.clock(time.time())
         self.recorder.t0 = self.t0
         deadline = self.t0 + self.timeout_s
         self.ready = True
