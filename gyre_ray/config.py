@@ -167,6 +167,17 @@ class GyreConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _a_gpu_per_megatron_rank(self) -> GyreConfig:
+        ranks, gpus = self.trainer.megatron_ranks, self.cells.gpus_per_cell
+        if self.trainer.backend == "megatron" and 0 < gpus < ranks:
+            raise ValueError(
+                f"trainer.tensor_parallel_size x trainer.context_parallel_size = {ranks} Megatron ranks per "
+                f"cell, but cells.gpus_per_cell={gpus:g}: rank r runs on the cell's GPU r, so give "
+                f"cells.gpus_per_cell >= {ranks} (or fewer ranks)"
+            )
+        return self
+
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the dotted key."""

@@ -112,3 +112,30 @@ def update_relative_error(
         if bool(live.any()):
             worst = max(worst, float((da - db).abs()[live].max()))
     return worst / scale, live_count / total
+
+
+def assert_trains_alike(
+    reference: Trainer, trainer: Trainer, batches: list[MicroBatch]
+) -> dict[str, torch.Tensor]:
+    """`trainer` (ranks split some way) gives `reference`'s log-probs, losses, gradients, grad norm and
+    clipped AdamW update on `batches`; returns the weights before the update (the reference's)."""
+    from gyre_ray.algo.gspo import step_scale
+
+    for batch in batches:
+        assert float((trainer.compute_logprobs(batch) - reference.compute_logprobs(batch)).abs().max()) < 1e-5
+    before = reference.state_dict()
+    for batch in batches:
+        a, b = reference.forward_backward(batch), trainer.forward_backward(batch)
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
+    grads1, grads2 = reference.export_grads(), trainer.export_grads()
+    assert max_relative_error(grads1, grads2) < 1e-5
+    assert max(float(g.abs().max()) for g in grads1.values()) > 1e-3  # there is a gradient to compare
+    scale = step_scale(batches)
+    m1, m2 = reference.optimizer_step(scale), trainer.optimizer_step(scale)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    assert trainer.version == reference.version
+    error, covered = update_relative_error(
+        before, reference.state_dict(), trainer.state_dict(), grads1, min_grad=1e-3
+    )
+    assert error < 1e-5 and covered > 0.99, (error, covered)
+    return before

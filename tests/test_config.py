@@ -133,3 +133,27 @@ def test_a_number_that_is_not_finite_is_refused_in_every_section(override: str) 
     """`trainer.lr=inf` passed (`nan` only because of its range): every section wants finite numbers."""
     with pytest.raises(ConfigError, match="Input should be a finite number"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.context_parallel_size=2"], "needs trainer.backend=megatron"),
+        (
+            ["trainer.backend=megatron", "trainer.context_parallel_size=2", "trainer.megatron_attention=dense"],
+            "needs trainer.megatron_attention=tree",
+        ),
+        (
+            ["trainer.backend=megatron", "trainer.tensor_parallel_size=2", "trainer.context_parallel_size=2",
+             "cells.gpus_per_cell=2"],
+            "4 Megatron ranks per cell, but cells.gpus_per_cell=2",
+        ),
+    ],
+)  # fmt: skip
+def test_context_parallel_settings_that_cannot_run_are_named(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    ok = load_config(
+        None, ["trainer.backend=megatron", "trainer.context_parallel_size=2", "cells.gpus_per_cell=2"]
+    )
+    assert ok.trainer.megatron_ranks == 2

@@ -220,3 +220,26 @@ def test_a_long_row_keeps_linear_memory_for_the_backward_pass(monkeypatch):
         )
     assert width * width // 2 < kept[False]  # every block's mask (and gathered keys) would be kept
     assert kept[True] < 2 * inputs + width * 1024  # the inputs, the outputs and per-block scraps
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_query_ranges_of_a_plan_give_the_rows_of_the_whole(monkeypatch, seed):
+    """A context-parallel rank plans only its columns' queries over all keys: the shares, side by side,
+    are the whole row's attention, whatever the range boundaries cut (blocks, segments, padding)."""
+    rng = random.Random(100 + seed)
+    monkeypatch.setattr(tree_attention, "BLOCK_QUERIES", rng.choice([5, 16, 128]))
+    rows = tuple(random_row(rng, rng.randint(1, 12), rng.choice([3, 40])) for _ in range(rng.randint(1, 3)))
+    width = max(row[-1][1] for row in rows) + rng.randint(0, 9)
+    layout = TreeLayout(width, rows)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(len(rows), h, width, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    want = brute_force(q, k, v, layout.dense())
+    cuts = sorted({0, width, *(rng.randint(0, width) for _ in range(rng.randint(1, 4)))})
+    parts = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        plan = plan_tree(layout, heads=4, queries=(lo, hi))
+        assert (plan.q_start, plan.q_len, plan.keys_expected) == (lo, hi - lo, width)
+        parts.append(tree_attention.tree_attention(q[:, :, lo:hi], k, v, plan))
+    assert (torch.cat(parts, dim=2) - want).abs().max() <= 1e-10
+    with pytest.raises(ValueError, match="outside the rows"):
+        plan_tree(layout, heads=4, queries=(0, width + 1))

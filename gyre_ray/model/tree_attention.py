@@ -110,11 +110,18 @@ class TreeBlock:
 
 @dataclass(frozen=True)
 class TreePlan:
-    """Query blocks per batch row, for `q_len` queries over as many keys (no cached past)."""
+    """Query blocks per batch row, for the `q_len` queries from column `q_start` (all of them unless a
+    query range was planned: context parallelism) over the row's `key_len` keys (no cached past)."""
 
     rows: tuple[tuple[TreeBlock, ...], ...]
     q_len: int
     recompute: bool = False  # recompute masked or gathered blocks in the backward pass (long rows)
+    q_start: int = 0
+    key_len: int = -1  # -1: as many keys as queries
+
+    @property
+    def keys_expected(self) -> int:
+        return self.q_len if self.key_len < 0 else self.key_len
 
     @property
     def visited_pairs(self) -> int:
@@ -182,9 +189,19 @@ def _real_block(
     return TreeBlock(start, stop, ranges, _width(shared), tail)
 
 
-def plan_tree(layout: TreeLayout, heads: int, device: torch.device | str = "cpu") -> TreePlan:
-    """Query blocks of every row of `layout` (built once per forward, shared by every layer)."""
+def plan_tree(
+    layout: TreeLayout,
+    heads: int,
+    device: torch.device | str = "cpu",
+    queries: tuple[int, int] | None = None,
+) -> TreePlan:
+    """Query blocks of every row of `layout` (built once per forward, shared by every layer); with
+    `queries=(lo, hi)` only the query columns [lo, hi) of each row, over all its keys (a context-
+    parallel rank's share of the row)."""
     device = torch.device(device)
+    lo, hi = (0, layout.width) if queries is None else queries
+    if not 0 <= lo <= hi <= layout.width:
+        raise ValueError(f"query range [{lo}, {hi}) is outside the rows' {layout.width} columns")
     size = _block_rows(heads, max(1, layout.width))
     rows = []
     for r, segments in enumerate(layout.rows):
@@ -192,19 +209,20 @@ def plan_tree(layout: TreeLayout, heads: int, device: torch.device | str = "cpu"
         real = layout.real_length(r)
         blocks = []
         first = 0
-        for start in range(0, real, size):
-            stop = min(real, start + size)
+        for start in range(lo, min(real, hi), size):
+            stop = min(real, hi, start + size)
             while segments[first][1] <= start:
                 first += 1
             blocks.append(_real_block(segments, ancestors, first, start, stop, device))
-        for start in range(real, layout.width, size):  # padding: each column sees itself
-            stop = min(layout.width, start + size)
+        for start in range(max(real, lo), hi, size):  # padding: each column sees itself
+            stop = min(hi, start + size)
             eye = torch.eye(stop - start, dtype=torch.bool, device=device)
             blocks.append(TreeBlock(start, stop, ((start, stop),), 0, eye))
         rows.append(tuple(blocks))
     # a block's mask is rows x keys bools: what the widest row's blocks would keep for the backward pass
     kept_mask_bytes = max((sum((b.stop - b.start) * b.keys for b in blocks) for blocks in rows), default=0)
-    return TreePlan(tuple(rows), layout.width, recompute=kept_mask_bytes > RECOMPUTE_ABOVE_MASK_BYTES)
+    recompute = kept_mask_bytes > RECOMPUTE_ABOVE_MASK_BYTES
+    return TreePlan(tuple(rows), hi - lo, recompute, q_start=lo, key_len=layout.width)
 
 
 def _gather(x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -231,11 +249,12 @@ def _block_attention(
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreePlan) -> torch.Tensor:
-    """Attention of q (B, Hq, T, D) over k, v (B, Hkv, T, D) following `plan` -> (B, Hq, T, D)."""
-    if q.size(0) != len(plan.rows) or q.size(2) != plan.q_len or k.size(2) != plan.q_len:
+    """Attention of q (B, Hq, Q, D), the plan's queries, over k, v (B, Hkv, T, D) following `plan`
+    -> (B, Hq, Q, D)."""
+    if q.size(0) != len(plan.rows) or q.size(2) != plan.q_len or k.size(2) != plan.keys_expected:
         raise ValueError(
-            f"tree plan is for {len(plan.rows)} rows x {plan.q_len} tokens, got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}"
+            f"tree plan is for {len(plan.rows)} rows x {plan.q_len} queries over {plan.keys_expected} keys, "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}"
         )
     recompute = plan.recompute and torch.is_grad_enabled()
     outputs = []
@@ -243,7 +262,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Tree
         qb, kb, vb = q[b : b + 1], k[b : b + 1], v[b : b + 1]
         parts = []
         for block in blocks:
-            args = (qb[:, :, block.start : block.stop], kb, vb, block.ranges, block.shared, block.tail)
+            rows = slice(block.start - plan.q_start, block.stop - plan.q_start)
+            args = (qb[:, :, rows], kb, vb, block.ranges, block.shared, block.tail)
             if recompute and (block.tail is not None or len(block.ranges) > 1):
                 parts.append(checkpoint(_block_attention, *args, use_reentrant=False))
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from gyre_ray.configbase import Section
 
@@ -26,6 +26,13 @@ class TrainerSection(Section):
         description="Megatron backend: tensor-parallel ranks per trainer replica (gloo on CPU, NCCL on GPU); "
         "must divide heads, KV heads, intermediate size and vocabulary.",
     )
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Megatron backend: ranks that split each micro-batch's columns (context parallelism: "
+        "a long row's activations divided among them; keys and values gathered per layer); "
+        "tensor_parallel_size x context_parallel_size ranks per trainer replica.",
+    )
     tensor_parallel_workers: Literal["auto", "ray", "process"] = Field(
         "auto",
         description="Megatron backend, tensor parallel > 1: where the ranks run: 'ray' (one Ray actor per rank "
@@ -43,3 +50,19 @@ class TrainerSection(Section):
         "micro-batch's tree segments: memory linear in the row, docs/megatron.md) or dense (the spec's own "
         "attention over a dense [B, 1, T, T] mask: T^2 bytes a row).",
     )
+
+    @property
+    def megatron_ranks(self) -> int:
+        """Processes one Megatron trainer replica runs on: tensor parallel x context parallel."""
+        return self.tensor_parallel_size * self.context_parallel_size
+
+    @model_validator(mode="after")
+    def _context_parallel_needs_megatron(self) -> TrainerSection:
+        if self.context_parallel_size > 1 and self.backend != "megatron":
+            raise ValueError(
+                f"trainer.context_parallel_size={self.context_parallel_size} needs trainer.backend=megatron "
+                f"(got {self.backend!r})"
+            )
+        if self.context_parallel_size > 1 and self.megatron_attention != "tree":
+            raise ValueError("trainer.context_parallel_size > 1 needs trainer.megatron_attention=tree")
+        return self

@@ -29,11 +29,12 @@ def make_megatron_trainer(
     *,
     version: int = 0,
 ) -> Trainer:
-    """A Megatron trainer over HF-named weights `hf_state` with `section.tensor_parallel_size` ranks."""
+    """A Megatron trainer over HF-named weights `hf_state` on `section.megatron_ranks` ranks (tensor x
+    context parallel; one: in this process)."""
     from gyre_ray.trainers.megatron.build import check_divisible
 
     check_divisible(args, section.tensor_parallel_size)
-    if section.tensor_parallel_size == 1:
+    if section.megatron_ranks == 1:
         from gyre_ray.trainers.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(hf_state, args, section, loss_fn, version=version)
@@ -43,7 +44,7 @@ def make_megatron_trainer(
     if workers == "ray" or (workers == "auto" and inside_ray_worker()):
         from gyre_ray.trainers.megatron.ray_ranks import RayTensorParallelTrainer
 
-        threads = default_threads(section.tensor_parallel_size)
+        threads = default_threads(section.megatron_ranks)
         return RayTensorParallelTrainer(
             hf_state, args, section, loss_fn, version=version, threads_per_rank=threads
         )

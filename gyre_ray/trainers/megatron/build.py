@@ -51,9 +51,15 @@ def resolve_spec(spec: str) -> str:
 
 
 def init_parallel(
-    tp_size: int, *, rank: int = 0, world_size: int = 1, store: dist.Store | None = None
+    tp_size: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    store: dist.Store | None = None,
+    cp_size: int = 1,
 ) -> None:
-    """torch.distributed + Megatron `parallel_state` for tensor parallel `tp_size` (idempotent per process).
+    """torch.distributed + Megatron `parallel_state` for tensor parallel `tp_size` x context parallel
+    `cp_size` (idempotent per process; Megatron's rank order: tensor-parallel rank varies fastest).
 
     A one-process world uses an in-process store (no port). A larger one needs `store`, e.g. a
     `TCPStore` client of a server on 127.0.0.1 (see `tensor_parallel.py`). Raises RuntimeError if
@@ -61,8 +67,10 @@ def init_parallel(
     """
     from megatron.core import parallel_state
 
-    if world_size % tp_size:
-        raise ValueError(f"world size {world_size} is not a multiple of tensor parallel size {tp_size}")
+    if world_size % (tp_size * cp_size):
+        raise ValueError(
+            f"world size {world_size} is not a multiple of tensor parallel {tp_size} x context parallel {cp_size}"
+        )
     backend = "gloo" if cpu_shims.cuda_absent() else "nccl"
     if not dist.is_initialized():
         if not cpu_shims.cuda_absent():
@@ -77,13 +85,19 @@ def init_parallel(
             f"torch.distributed already runs a world of {dist.get_world_size()} processes here, not {world_size}"
         )
     if parallel_state.model_parallel_is_initialized():
-        current = parallel_state.get_tensor_model_parallel_world_size()
-        if current != tp_size:
+        current = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+        )
+        if current != (tp_size, cp_size):
             raise RuntimeError(
-                f"this process already runs Megatron with tensor parallel {current}, not {tp_size}"
+                f"this process already runs Megatron with tensor x context parallel {current[0]} x "
+                f"{current[1]}, not {tp_size} x {cp_size}"
             )
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_size, context_parallel_size=cp_size
+        )
     cpu_shims.apply()
 
 

@@ -1,7 +1,8 @@
 """`RayTensorParallelTrainer`: tensor-parallel Megatron ranks as Ray actors inside the cell's placement group.
 
 Inside a Ray worker (a cell actor) this is what `trainer.backend=megatron` with
-`trainer.tensor_parallel_size > 1` builds (`trainer.tensor_parallel_workers`, default `auto`): one
+`trainer.tensor_parallel_size` x `trainer.context_parallel_size` > 1 builds
+(`trainer.tensor_parallel_workers`, default `auto`): one
 actor per rank, scheduled into the caller's placement group and bundle (the cell's), each its own
 process and so its own torch.distributed world (Megatron owns a process' default group, which is
 why the ranks cannot share the cell's process). The cell's process serves the TCP store the ranks
@@ -63,7 +64,8 @@ def _kill(actors: list[Any]) -> None:
 
 
 class RayTensorParallelTrainer(RankDrivenTrainer):
-    """`section.tensor_parallel_size` Megatron ranks as Ray actors, driven as one trainer."""
+    """`section.megatron_ranks` Megatron ranks (tensor x context parallel) as Ray actors, driven as one
+    trainer."""
 
     def __init__(
         self,
@@ -84,16 +86,16 @@ class RayTensorParallelTrainer(RankDrivenTrainer):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.args, self.section, self.timeout_s = args, section, timeout_s
-        tp = section.tensor_parallel_size
+        ranks = section.megatron_ranks
         host = ray.util.get_node_ip_address()
-        self._store = dist.TCPStore(host, 0, world_size=tp, is_master=True, wait_for_workers=False)
+        self._store = dist.TCPStore(host, 0, world_size=ranks, is_master=True, wait_for_workers=False)
         init = ray.put(rank_init(hf_state, args, section, loss_fn, version))
         group = placement_group if placement_group is not None else get_current_placement_group()
         gpus = [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
         actor_cls = ray.remote(RankActor)
         owner = ray.get_runtime_context().get_actor_name() if inside_ray_worker() else None
         self._actors = []
-        for rank in range(tp):
+        for rank in range(ranks):
             options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1}
             if owner:  # e.g. "cell-0-tp1" (in the job's namespace)
                 options["name"] = f"{owner}-tp{rank}"
@@ -159,5 +161,5 @@ def inside_ray_worker() -> bool:
         return False
 
 
-def default_threads(tp: int) -> int:
-    return max(1, (os.cpu_count() or 1) // tp)
+def default_threads(ranks: int) -> int:
+    return max(1, (os.cpu_count() or 1) // ranks)

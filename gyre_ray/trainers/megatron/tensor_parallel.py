@@ -67,7 +67,7 @@ def build_rank(rank: int, host: str, port: int, init: dict[str, Any], threads: i
 
     torch.set_num_threads(threads)
     section = TrainerSection.model_validate(init["section"])
-    store = dist.TCPStore(host, port, world_size=section.tensor_parallel_size, is_master=False)
+    store = dist.TCPStore(host, port, world_size=section.megatron_ranks, is_master=False)
     return MegatronTrainer(
         init["hf_state"],
         init["args"],
@@ -166,11 +166,13 @@ class RankDrivenTrainer(Trainer):
             **super().metadata(),
             "backend": "megatron",
             "tensor_parallel_size": self.section.tensor_parallel_size,
+            "context_parallel_size": self.section.context_parallel_size,
         }
 
 
 class TensorParallelTrainer(RankDrivenTrainer):
-    """`section.tensor_parallel_size` Megatron ranks in child processes, driven as one trainer."""
+    """`section.megatron_ranks` Megatron ranks (tensor x context parallel) in child processes, driven
+    as one trainer."""
 
     def __init__(
         self,
@@ -183,13 +185,13 @@ class TensorParallelTrainer(RankDrivenTrainer):
         timeout_s: float = 600.0,
     ) -> None:
         self.args, self.section, self.timeout_s = args, section, timeout_s
-        tp = section.tensor_parallel_size
-        self._store = dist.TCPStore(HOST, 0, world_size=tp, is_master=True, wait_for_workers=False)
+        ranks = section.megatron_ranks
+        self._store = dist.TCPStore(HOST, 0, world_size=ranks, is_master=True, wait_for_workers=False)
         init = rank_init(hf_state, args, section, loss_fn, version)
-        threads = max(1, (os.cpu_count() or 1) // tp)
+        threads = max(1, (os.cpu_count() or 1) // ranks)
         ctx = mp.get_context("spawn")
         self._conns, self._processes = [], []
-        for rank in range(tp):
+        for rank in range(ranks):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_rank_main, args=(child, rank, self._store.port, init, threads), daemon=True

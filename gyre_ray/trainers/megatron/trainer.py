@@ -39,11 +39,13 @@ import torch.distributed as dist
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
+from gyre_ray.model.tree_attention import plan_tree
 from gyre_ray.model.tree_layout import TreeLayout
 from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
 from gyre_ray.trainers.batch import MicroBatch, dense_attention_mask, token_logprobs
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
+from gyre_ray.trainers.megatron.context_parallel import share_logprobs, share_of
 from gyre_ray.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, merge_shards, shard, split_rule
 from gyre_ray.trainers.megatron.tree_core import plan_micro_batch
 
@@ -74,12 +76,15 @@ class MegatronTrainer(Trainer):
     ) -> None:
         from megatron.core import parallel_state
 
-        tp = section.tensor_parallel_size
-        build.init_parallel(tp, rank=rank, world_size=tp, store=store)
+        tp, cp = section.tensor_parallel_size, section.context_parallel_size
+        build.init_parallel(tp, rank=rank, world_size=tp * cp, store=store, cp_size=cp)
         self.args, self.section, self.loss_fn = args, section, loss_fn
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.cp_group = parallel_state.get_context_parallel_group()
         self.spec = build.resolve_spec(section.megatron_spec)
         dtype = next(iter(hf_state.values())).dtype
         if dtype not in build.DTYPES.values():
@@ -106,21 +111,36 @@ class MegatronTrainer(Trainer):
 
     # ------------------------------------------------------------------ compute
     def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
         _check_batch(batch, self.args.vocab_size)
         batch = batch.to(self.device)
-        ids = batch.input_ids
-        hidden = self.model.embedding(input_ids=ids, position_ids=batch.position_ids)  # [T, B, H]
+        if self.cp_size > 1:
+            return self._share_logprobs(batch)
+        logits = self._logits(batch.input_ids, batch.position_ids, self._attention_mask(batch))
+        return token_logprobs(logits, batch.input_ids, batch.parent_index)
+
+    def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+        """(B, T, V) logits of columns `ids` (B, T) through embedding, decoder and LM head."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        hidden = self.model.embedding(input_ids=ids, position_ids=position_ids)  # [T, B, H]
         hidden = self.model.decoder(
-            hidden_states=hidden,
-            attention_mask=self._attention_mask(batch),
-            rotary_pos_emb=self._rotary(batch.position_ids),
+            hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=self._rotary(position_ids)
         )
         weight = self.model.shared_embedding_or_output_weight() if self.args.tie_word_embeddings else None
         logits, _ = self.model.output_layer(hidden, weight=weight)  # [T, B, V / tp]
-        logits = gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
-        return token_logprobs(logits, ids, batch.parent_index)
+        return gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
+
+    def _share_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        """Context parallel: this rank runs its share of the columns; the group sums the log-probs."""
+        try:
+            share = share_of(batch, self.cp_size, self.cp_rank)
+        except ValueError as exc:
+            raise MegatronInputError(str(exc)) from None
+        heads = self.args.num_attention_heads // self.tp_size
+        plan = plan_tree(share.layout, heads, self.device, queries=(share.lo, share.hi))
+        columns = slice(share.lo, share.hi)
+        logits = self._logits(share.input_ids[:, columns], share.position_ids[:, columns], plan)
+        return share_logprobs(logits, share, self.cp_group)
 
     def _attention_mask(self, batch: MicroBatch) -> Any:
         """What the decoder passes each layer's core attention: the micro-batch's attention plan
@@ -153,24 +173,30 @@ class MegatronTrainer(Trainer):
         self.model.eval()
         return self._logprobs(batch).cpu()
 
-    # q/k norms are replicated but each rank's backward sees only its own heads: sum over the group.
-    def _partial_names(self) -> list[str]:
+    # q/k norms are replicated but each rank's backward sees only its own heads: sum over the TP group.
+    # Under context parallelism every parameter saw only this rank's columns: sum over the CP group.
+    # (lists in parameter order: every rank must issue the same collectives in the same order)
+    def _qk_norm_names(self) -> list[str]:
         if self.tp_size == 1:
             return []
         return [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
 
     def _take_partial_grads(self) -> dict[str, torch.Tensor | None]:
         held = {}
-        for name in self._partial_names():
+        for name in self.params if self.cp_size > 1 else self._qk_norm_names():
             held[name], self.params[name].grad = self.params[name].grad, None
         return held
 
     def _reduce_partial_grads(self, held: dict[str, torch.Tensor | None]) -> None:
+        qk_norms = set(self._qk_norm_names())
         for name, before in held.items():
             param = self.params[name]
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.tp_group)
+            if name in qk_norms:
+                dist.all_reduce(param.grad, group=self.tp_group)
+            if self.cp_size > 1:
+                dist.all_reduce(param.grad, group=self.cp_group)
             if before is not None:
                 param.grad.add_(before)
 
@@ -288,7 +314,7 @@ class MegatronTrainer(Trainer):
 
         folder = Path(folder)
         weights = self.state_dict()  # every rank takes part in the gather
-        if self.tp_rank == 0:
+        if self.tp_rank == 0 and self.cp_rank == 0:  # context-parallel ranks hold the same weights
             with torch.device("meta"):
                 model = Qwen3ForCausalLM(self.args)
             load_state_into(model, weights, assign=True)
@@ -301,7 +327,8 @@ class MegatronTrainer(Trainer):
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
-        torch.save(state, folder / STATE_FILE.format(rank=self.tp_rank))
+        if self.cp_rank == 0:  # and the same optimizer state
+            torch.save(state, folder / STATE_FILE.format(rank=self.tp_rank))
         return folder
 
     def load(self, folder: str | Path) -> None:

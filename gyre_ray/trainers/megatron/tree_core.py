@@ -10,6 +10,9 @@ decoder in place of the mask; every layer attends its own projections (already n
 by Megatron, this rank's heads under tensor parallelism) through it. Rows with no layout (causal)
 or a dense mask are planned by `gyre_ray.model.attention` the same way the torch model does.
 
+Under context parallelism (`context_parallel.py`) a rank holds a share of the columns: the plan is
+for its queries, and the keys and values of all columns are gathered from the group first.
+
 Megatron's own attention is kept for `trainer.megatron_attention=dense`.
 """
 
@@ -23,6 +26,7 @@ import torch
 from gyre_ray.model.attention import AttentionPlan, attend, plan_attention, plan_causal
 from gyre_ray.model.tree_attention import TreePlan, plan_tree, tree_attention
 from gyre_ray.model.tree_layout import TreeLayout
+from gyre_ray.trainers.megatron.context_parallel import gather_columns
 
 Plan = TreePlan | AttentionPlan
 
@@ -63,8 +67,6 @@ class TreeCoreAttention(torch.nn.Module):
                 f"tree core attention scales scores by 1/sqrt(head_dim); softmax_scale={softmax_scale} "
                 "needs trainer.megatron_attention=dense"
             )
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise ValueError("tree core attention does not split rows across context-parallel ranks")
         self.layer_number = layer_number
 
     def forward(
@@ -84,6 +86,11 @@ class TreeCoreAttention(torch.nn.Module):
             )
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("tree core attention takes neither an attention bias nor packed-sequence params")
+        if isinstance(attention_mask, TreePlan) and key.size(0) != attention_mask.keys_expected:
+            from megatron.core import parallel_state  # context parallel: this rank holds a share of k, v
+
+            group = parallel_state.get_context_parallel_group()
+            key, value = gather_columns(key, group), gather_columns(value, group)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if isinstance(attention_mask, TreePlan):
             out = tree_attention(q, k, v, attention_mask)
