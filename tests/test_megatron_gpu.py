@@ -22,7 +22,8 @@ pytestmark = [
 ]
 
 
-def test_a_megatron_step_on_gpu_matches_the_torch_trainer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("attention", ["tree", "dense"])  # tree core attention / Megatron's own
+def test_a_megatron_step_on_gpu_matches_the_torch_trainer(tmp_path: Path, attention: str) -> None:
     from megatron_cases import gspo_loss, hf_folder, max_relative_error, packed_batches
 
     from gyre_ray.algo.gspo import step_scale
@@ -38,7 +39,10 @@ def test_a_megatron_step_on_gpu_matches_the_torch_trainer(tmp_path: Path) -> Non
     section = dict(lr=1e-2, weight_decay=0.01, grad_clip=1.0)
     cpu = make_trainer(TrainerSection(backend="torch", **section), cpu_model, args, gspo_loss())
     gpu = make_trainer(
-        TrainerSection(backend="megatron", megatron_spec="local", **section), gpu_model, args, gspo_loss()
+        TrainerSection(backend="megatron", megatron_spec="local", megatron_attention=attention, **section),
+        gpu_model,
+        args,
+        gspo_loss(),
     )
     batches = packed_batches(cpu)
     for batch in batches:
