@@ -39,7 +39,7 @@ def _train(run_root: Path, *overrides: str) -> dict:
 
 
 def _reports(run_dir: Path) -> list[str]:
-    from gyre_ray.envs.taskfile import pytest_junit_share
+    from gyre_ray.envs.task_scoring import pytest_junit_share
 
     return [pytest_junit_share(p).detail for p in sorted(run_dir.glob("workspaces/*.eval/report.xml"))]
 

@@ -21,7 +21,8 @@ class AgentSection(Section):
     command: list[str] | None = Field(
         None,
         description="harness=command: the argv template; items may hold {prompt}, {workspace}, {home}, "
-        "{openai_base_url}, {anthropic_base_url} (bare names only; {{ and }} for literal braces).",
+        "{openai_base_url}, {anthropic_base_url} (bare names only; {{ and }} for literal braces); the "
+        "first item is a program name, an absolute path or {workspace}/... (it runs in the workspace).",
     )
     harness_args: list[str] = Field(
         default_factory=list,
@@ -96,6 +97,17 @@ class AgentSection(Section):
     def _command_given(self) -> AgentSection:
         if self.harness == "command" and not self.command:
             raise ValueError("harness=command needs agents.command (the argv template, a list of strings)")
+        if self.harness != "command" and self.command:  # it would be ignored: the harness runs instead
+            raise ValueError(
+                f"agents.command is used only by agents.harness=command (harness is {self.harness!r}); "
+                "set agents.harness=command, or leave agents.command out (agents.command=null)"
+            )
+        if self.harness in ("toy", "command") and self.harness_args:
+            raise ValueError(
+                f"agents.harness_args is appended to the claude-code or codex command line only; harness "
+                f"{self.harness!r} would ignore it"
+                + (" (put the arguments in agents.command)" if self.harness == "command" else "")
+            )
         return self
 
 

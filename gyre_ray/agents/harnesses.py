@@ -7,8 +7,8 @@
 - `codex`: `codex exec` against the proxy's Responses API, its provider written to `$HOME/.codex/config.toml`.
 - `command`: any agent CLI from `agents.command`, a list whose items may hold `{prompt}`,
   `{workspace}`, `{home}`, `{openai_base_url}`, `{anthropic_base_url}` (bare: no attribute, index,
-  conversion or format spec; `{{`/`}}` for a literal brace), checked when the config is loaded
-  (`check_command_template`); the key is in its env.
+  conversion or format spec; `{{`/`}}` for a literal brace; the first item a program name or an
+  absolute path), checked when the config is loaded (`check_command_template`); the key is in its env.
 
 Claude Code and Codex are found at `CLAUDE_CODE_BIN` / `CODEX_BIN`, else in the repo's `.cache/`
 (where `make install-harnesses` puts the pinned versions), else on PATH.
@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gyre_ray.envs.taskfile import template_problem
+from gyre_ray.envs.task_scoring import program_problem, template_problem
 
 HARNESSES = ("toy", "claude-code", "codex", "command")
 REPO = Path(__file__).resolve().parents[2]
@@ -90,11 +90,16 @@ def command_values(
 
 
 def check_command_template(template: list[str]) -> list[str]:
-    """`template` if its placeholders are all known and bare; ValueError naming the bad one otherwise
-    (said when the config is loaded, not as a KeyError in every execution)."""
+    """`template` if its placeholders are all known and bare and its first item names a program (not
+    empty, not a path relative to the execution's workspace); ValueError naming the bad item otherwise
+    (said when the config is loaded, not in every execution). Whether the program is installed is
+    found where it runs: an execution it cannot start is dropped as "harness could not start"."""
     problem = template_problem(template, COMMAND_PLACEHOLDERS)
     if problem:
         raise ValueError(f"agents.command {problem}")
+    unstartable = program_problem(template[0], search=False) if template else None
+    if unstartable:
+        raise ValueError(f"agents.command item 0 {template[0]!r} {unstartable}")
     return template
 
 

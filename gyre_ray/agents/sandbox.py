@@ -157,12 +157,13 @@ def grant_traverse(path: Path, gid: int) -> None:
 
 
 def grant_runtime(identity: Identity, command: list[str]) -> None:
-    """Let the identity reach the interpreter the wrapper needs and the command's executable."""
+    """Let the identity reach the interpreter the wrapper needs and the command's executable (one in
+    its own folders, e.g. `{workspace}/run.sh` or an evaluator's `{hidden}/judge.sh`, it reaches already)."""
     if not identity.dedicated:
         return
     needed = [Path(sys.executable).resolve(), Path(sys.base_prefix) / "lib", Path(sys.prefix) / "lib"]
     found = shutil.which(command[0]) if command else None
-    if found:
+    if found and not any(Path(found).resolve().is_relative_to(f.resolve()) for f in identity.folders):
         needed.append(Path(found).resolve())
     for path in needed:
         grant_traverse(path / "x" if path.is_dir() else path, identity.gid)

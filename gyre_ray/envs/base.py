@@ -52,14 +52,23 @@ class Task:
     git_rev: str | None = None
 
     def seed_workspace(self, workspace: Path) -> None:
-        """Write the task's seed files into a fresh workspace folder."""
+        """Write the task's seed files into a fresh workspace folder.
+
+        A local repository is cloned with `--no-local`: git's local clone hard-links the source's
+        object files, so handing the workspace to the execution's uid would give it the source
+        repository's (and every other workspace's) objects to rewrite."""
         workspace.mkdir(parents=True, exist_ok=True)
         if self.git:
             import subprocess
 
             branch = ["--branch", self.git_rev] if self.git_rev else []
-            cmd = ["git", "clone", "--quiet", "--depth", "1", *branch, self.git, str(workspace)]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+            cmd = ["git", "clone", "--quiet", "--no-local", "--depth", "1", *branch, "--", self.git]
+            done = subprocess.run(
+                [*cmd, str(workspace)], capture_output=True, text=True, timeout=600, check=False
+            )
+            if done.returncode != 0:
+                why = done.stderr.strip()[-500:] or f"exit code {done.returncode}"
+                raise RuntimeError(f"task {self.task_id}: git clone of {self.git} failed: {why}")
         if self.seed_dir is not None:
             import shutil
 
@@ -69,7 +78,7 @@ class Task:
             if workspace.resolve() not in target.parents:
                 raise ValueError(f"task {self.task_id}: seed file {rel!r} escapes the workspace")
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
+            target.write_text(text, encoding="utf-8")
 
 
 def evaluate_with_retries(task: Task, ctx: EvalContext, budget_s: float) -> EvalResult:
