@@ -26,8 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_mask import _max_rss_mib, in_subprocess, save, side_by_side, widest_batch  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 def measure(mode: str, turns: int) -> dict:
     """One case in this process: a Megatron trainer, one forward + backward of the widest row."""

@@ -31,11 +31,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gyre_ray.trainers.batch import MicroBatch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def widest_batch(turns: int, seed: int = 0):
+def widest_batch(turns: int, seed: int = 0) -> tuple[MicroBatch, int]:
     """The widest micro-batch of one long synthetic execution (real pipeline, default packing)."""
     from gyre_ray.model.arch import ModelArgs
     from gyre_ray.trajectory.batching import micro_batches

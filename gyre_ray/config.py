@@ -170,7 +170,7 @@ class GyreConfig(Section):
     @model_validator(mode="after")
     def _a_gpu_per_megatron_rank(self) -> GyreConfig:
         ranks, gpus = self.trainer.megatron_ranks, self.cells.gpus_per_cell
-        if self.trainer.backend == "megatron" and 0 < gpus < ranks:
+        if self.trainer.backend == "megatron" and ranks > 1 and 0 < gpus < ranks:  # (one rank: in-process)
             raise ValueError(
                 f"trainer.tensor_parallel_size x trainer.context_parallel_size = {ranks} Megatron ranks per "
                 f"cell, but cells.gpus_per_cell={gpus:g}: rank r runs on the cell's GPU r, so give "

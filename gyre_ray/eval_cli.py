@@ -104,9 +104,9 @@ def given_setting(
     section: str, key: str, overrides: list[str], config_file: str | Path | None = None
 ) -> str | None:
     """Where the command line itself sets `section.key`: the first override that does (`section.key=X`
-    or `section={key: X}`), quoted, else `section.key in FILE` when the `--config` file sets it to other
-    than its default; None when neither does. A command whose --run / --model-dir names the model
-    refuses a `model.path` given so rather than drop one of the two."""
+    or `section={key: X}`), quoted, else `section.key in FILE` when the `--config` file sets it (to
+    anything but null, even its default); None when neither does. A command whose --run / --model-dir
+    names the model refuses a `model.path` given so rather than drop one of the two."""
     from gyre_ray.config import parse_override, read_config_file
 
     for text in overrides:
@@ -114,10 +114,8 @@ def given_setting(
         if parts == [section, key] or (parts == [section] and isinstance(value, dict) and key in value):
             return repr(text)
     table = read_config_file(config_file).get(section) if config_file is not None else None
-    if isinstance(table, dict) and key in table:
-        default = getattr(GyreConfig.model_fields[section].annotation, "model_fields", {})[key].default
-        if table[key] != default:
-            return f"{section}.{key} in {config_file}"
+    if isinstance(table, dict) and table.get(key) is not None:
+        return f"{section}.{key} in {config_file}"
     return None
 
 

@@ -26,7 +26,7 @@ from gyre_ray.checkpoint import STATE_FILE, complete_checkpoints
 from gyre_ray.evaluation import EVAL_FILE
 from gyre_ray.observability.metrics import WANDB_PENDING_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
-from gyre_ray.runtime.journal import JOURNAL_NAME, RunJournal
+from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recorder import trace_row
 
 _TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
@@ -74,7 +74,7 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
     recovered = lost_step_rows(run_dir, first_step, kept)
     kept_trace = earlier_trace(run_dir, first_step)
     set_aside_rows = 0
-    for name in ("metrics.jsonl", "trace.jsonl", EVAL_FILE):  # their rows of later steps: kept aside
+    for name in ("metrics.jsonl", "trace.jsonl", EVAL_FILE):  # their rows of later steps: moved aside
         rows = [
             r
             for r in _read_jsonl(run_dir / name)
@@ -85,7 +85,7 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
             _write_jsonl(aside / name, rows)
             set_aside_rows += len(rows)
     recovered_trace = lost_trace_rows(run_dir, first_step, kept_trace)  # reads metrics.jsonl as it was
-    if recovered_trace:
+    if (run_dir / "trace.jsonl").is_file() or recovered_trace:  # (a later attempt's ids are the same)
         _write_jsonl(run_dir / "trace.jsonl", sorted(kept_trace + recovered_trace, key=lambda r: r["start"]))
     if metrics.is_file() or recovered:
         _write_jsonl(metrics, sorted(kept + recovered, key=lambda r: r["step"]))
@@ -112,13 +112,9 @@ def lost_step_rows(
     times are moved onto the run's clock as the driver would have; each step comes back once."""
     run_dir = Path(run_dir)
     have = {int(r["step"]) for r in logged}
-    header: dict[str, Any] = {}
-    found: dict[int, dict[str, Any]] = {}
-    for event in json_lines(run_dir / JOURNAL_NAME):  # the journal holds the last segment only
-        if "run" in event:
-            header, found = event["run"], {}
-        elif "published" in event and isinstance(event.get("metrics"), dict):
-            found[int(event["metrics"].get("step", event["published"]))] = event["metrics"]
+    state = RunJournal.read(run_dir)  # the journal holds the last segment only
+    header = state.header if state is not None else {}
+    found = _journaled_steps(state)
     journaled = dict(found)
     for path in complete_checkpoints(run_dir):
         row = json_object(path / STATE_FILE, {}).get("metrics")
@@ -156,11 +152,7 @@ def lost_trace_rows(
     ]
     if not lost:
         return []
-    journaled = {
-        int(m.get("step", event["batch"])): m
-        for event in state.published
-        if isinstance(m := event["metrics"], dict)
-    }
+    journaled = _journaled_steps(state)
     times = [
         float(m["published_at_s"])
         for m in journaled.values()
@@ -187,6 +179,17 @@ def lost_trace_rows(
         )
         rows.append(shift(row, ("start", "end"), offset))
     return rows
+
+
+def _journaled_steps(state: JournalState | None) -> dict[int, dict[str, Any]]:
+    """The metrics row of each step the journaled segment published, by step."""
+    if state is None:
+        return {}
+    return {
+        int(m.get("step", event["batch"])): m
+        for event in state.published
+        if isinstance(m := event["metrics"], dict)
+    }
 
 
 def _journal_offset(
@@ -220,11 +223,14 @@ def merged_trace(
 
 
 def segment_offset(run_dir: str | Path, first_step: int) -> float:
-    """Where the resumed segment's clock starts: the end of the earlier segment's last execution or span."""
+    """Where the resumed segment's clock starts: the end of the earlier segments' last execution, span
+    or published step."""
     run_dir = Path(run_dir)
     trace = earlier_trace(run_dir, first_step)
     spans = _summary(run_dir).get("spans", [])
-    return max([r["end"] for r in trace] + [s[3] for s in spans], default=0.0)
+    published = [m.get("published_at_s") for m in earlier_steps(run_dir, first_step)]
+    published = [t for t in published if isinstance(t, (int, float))]
+    return max([r["end"] for r in trace] + [s[3] for s in spans] + published, default=0.0)
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:

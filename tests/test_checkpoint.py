@@ -118,6 +118,8 @@ def test_prepare_resume_sets_aside_what_came_after_the_checkpoint(tmp_path: Path
     assert [json.loads(x)["step"] for x in (aside / "metrics.jsonl").read_text().splitlines()] == [2, 3]
     assert [json.loads(x)["step"] for x in (aside / "eval.jsonl").read_text().splitlines()] == [3]
     assert [json.loads(x)["step"] for x in (aside / "trace.jsonl").read_text().splitlines()] == [2]
+    # moved, not copied: a later attempt's executions have the same ids, and must not look present
+    assert [json.loads(x)["step"] for x in (tmp_path / "trace.jsonl").read_text().splitlines()] == [1]
 
 
 def test_merge_segments_puts_the_resumed_times_after_the_earlier_ones(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from gyre_ray import checkpoint
 from gyre_ray.checkpoint import CHECKPOINTS, STATE_FILE, TRAINER_DIR, checkpoint_name
 from gyre_ray.config import MAX_STEPS, ConfigError, load_config
 from gyre_ray.model.checkpoint import WEIGHTS_FILE
+from gyre_ray.proxy.config import ProxySection
 from tests import test_cli_inputs_eval
 from tests.test_checkpoint import _write_loadable
 from tests.test_cli_inputs_eval import _with_damaged_newest
@@ -111,7 +112,7 @@ class _Started(Exception):
         self.cfg = cfg
 
 
-@pytest.mark.parametrize("given", [None, "override", "config file"])
+@pytest.mark.parametrize("given", [None, "override", "config file", "config file, the default"])
 def test_eval_honours_a_records_dir_it_is_given(
     good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
     given: str | None
@@ -124,7 +125,9 @@ def test_eval_honours_a_records_dir_it_is_given(
     argv = ["eval", "--model-dir", str(_trainer(good_run, 3)), "--out", str(out)]
     if given == "override":
         argv.append(f"proxy.records_dir={records}")
-    elif given == "config file":
+    elif given is not None:  # a value the file gives is honoured, even the default's
+        if given.endswith("the default"):
+            records = Path(ProxySection().records_dir)
         (tmp_path / "job.yaml").write_text(f"proxy:\n  records_dir: {records}\n")
         argv += ["--config", str(tmp_path / "job.yaml")]
     with pytest.raises(_Started) as started:

@@ -157,3 +157,5 @@ def test_context_parallel_settings_that_cannot_run_are_named(overrides: list[str
         None, ["trainer.backend=megatron", "trainer.context_parallel_size=2", "cells.gpus_per_cell=2"]
     )
     assert ok.trainer.megatron_ranks == 2
+    one_rank = load_config(None, ["trainer.backend=megatron", "cells.gpus_per_cell=0.5"])  # runs in-process
+    assert one_rank.trainer.megatron_ranks == 1 and one_rank.cells.gpus_per_cell == 0.5

@@ -179,11 +179,10 @@ def test_tree_core_attention_equals_the_dense_mask_and_builds_none(
     assert any(isinstance(b.attention_mask, TreeLayout) and is_tree(b) for b in batches)
     cases = batches + [plain_batch()]
     expected = [dense.compute_logprobs(batch) for batch in cases]
-    for batch in batches:
-        dense.forward_backward(batch)
+    losses = [dense.forward_backward(batch)["loss"] for batch in batches]
     monkeypatch.setattr(TreeLayout, "dense", lambda *a, **k: pytest.fail("the tree path built a dense mask"))
     for batch, want in zip(cases, expected, strict=True):
         assert float((tree.compute_logprobs(batch) - want).abs().max()) < 1e-5
-    for batch in batches:
-        tree.forward_backward(batch)
+    for batch, loss in zip(batches, losses, strict=True):
+        assert tree.forward_backward(batch)["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
     assert max_relative_error(dense.export_grads(), tree.export_grads()) < 1e-5

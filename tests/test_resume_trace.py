@@ -106,10 +106,10 @@ def test_a_killed_segments_trace_rows_of_steps_before_the_checkpoint_come_back(t
 
 
 def test_a_row_the_trace_holds_comes_back_never_twice(tmp_path: Path) -> None:
-    """No step of the segment was logged: the offset is where the earlier trace ended (10.0), as for
-    the metrics row of step 2 that comes back with them; a row trace.jsonl holds is not added again,
-    and a second resume adds nothing."""
-    held = _step_2_rows(10.0)[0]
+    """No step of the segment was logged: the offset is where the earlier segment ended (its last
+    publish, step 1 at 10.5, after its trace's last end at 10.0), as for the metrics row of step 2 that
+    comes back with them; a row trace.jsonl holds is not added again, and a second resume adds nothing."""
+    held = _step_2_rows(10.5)[0]
     _jsonl(tmp_path / "trace.jsonl", [*_earlier_rows(), held])
     _jsonl(
         tmp_path / "metrics.jsonl", [{"step": 0, "published_at_s": 4.5}, {"step": 1, "published_at_s": 10.5}]
@@ -117,9 +117,9 @@ def test_a_row_the_trace_holds_comes_back_never_twice(tmp_path: Path) -> None:
     _killed_segment(tmp_path)
     moved = prepare_resume(tmp_path, 3)
     assert moved["recovered"] == [2] and moved["recovered_trace"] == 1
-    assert _rows(tmp_path / "metrics.jsonl")[-1] == {"step": 2, "published_at_s": 14.0}
+    assert _rows(tmp_path / "metrics.jsonl")[-1] == {"step": 2, "published_at_s": 14.5}
     trace = _rows(tmp_path / "trace.jsonl")
-    assert trace == [*_earlier_rows(), *_step_2_rows(10.0)]
+    assert trace == [*_earlier_rows(), *_step_2_rows(10.5)]
     assert prepare_resume(tmp_path, 3)["recovered_trace"] == 0
     assert _rows(tmp_path / "trace.jsonl") == trace
 

@@ -49,6 +49,7 @@ def _refused(path: Path) -> str:
 def folder(tmp_path: Path) -> Path:
     """A task folder: hidden tests, a seed folder, a plain file, a folder, a non-UTF-8 file."""
     _write(tmp_path / "hidden/test_a.py", "def test_a():\n    pass\n")
+    _write(tmp_path / "hidden/sub/data.txt", "expected output\n")
     _write(tmp_path / "seeds/README.md", "seed\n")
     _write(tmp_path / "afile", "x")
     (tmp_path / "adir").mkdir()
@@ -103,6 +104,7 @@ BAD_TASKS = [  # each was accepted (and failed or misbehaved later) or raised a 
     (_task(hidden="afile"), "hidden: {folder}/afile is not a folder"),
     (_task(seed_dir="afile"), "seed_dir: {folder}/afile is not a folder"),
     (_task(seed_dir="."), "seed_dir {folder} holds the hidden tests of task 't'"),
+    (_task(seed_dir="hidden/sub"), "seed_dir {folder}/hidden/sub lies inside the hidden tests of task 't'"),
     (_task(git=""), "git must be a non-empty string, got an empty string"),
     (_task(git="--upload-pack=touch /tmp/x"), "must not start with '-'"),
     (_task(git="missing-repo"), "git (a local repository): {folder}/missing-repo does not exist"),
@@ -180,11 +182,12 @@ def test_a_local_git_seed_is_read_from_the_task_folder_and_checked(
     )  # a commit: `clone --branch` would fail in every execution
 
 
-def test_a_local_git_seed_tracking_hidden_tests_is_refused(folder: Path) -> None:
+@pytest.mark.parametrize("given", [".", "file://{folder}"])
+def test_a_local_git_seed_tracking_hidden_tests_is_refused(folder: Path, given: str) -> None:
     _repo(folder, {"README.md": "tasks\n"})  # the task folder is itself a repository, hidden/ tracked
     tasks = [
         {"id": "a", "prompt": "p", "hidden": "hidden"},
-        {"id": "b", "prompt": "p", "git": ".", "evaluator": OK},
+        {"id": "b", "prompt": "p", "git": given.format(folder=folder), "evaluator": OK},
     ]
     path = _write(folder / "tasks.jsonl", "\n".join(json.dumps(t) for t in tasks))
     assert f"tasks.jsonl:2 (b): git {folder} tracks the hidden tests of task 'a' (hidden)" in _refused(path)

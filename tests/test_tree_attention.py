@@ -51,6 +51,17 @@ def brute_force(q, k, v, mask):
     return scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1) @ v
 
 
+def assert_same_gradients(got, want, inputs, generator) -> None:
+    """`got` and `want` send the same gradients back to `inputs` (float64) for one random output grad."""
+    out_grad = torch.randn(got.shape, generator=generator, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad(got, inputs, out_grad, retain_graph=True),
+        torch.autograd.grad(want, inputs, out_grad, retain_graph=True),
+        strict=True,
+    ):
+        assert (a - b).abs().max() <= 1e-9
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_tree_plan_equals_dense_masked_attention_values_and_gradients(monkeypatch, seed):
     rng = random.Random(seed)
@@ -73,13 +84,7 @@ def test_tree_plan_equals_dense_masked_attention_values_and_gradients(monkeypatc
     got = tree_attention.tree_attention(q, k, v, plan)
     want = brute_force(q, k, v, mask)
     assert (got - want).abs().max() <= 1e-10
-    out_grad = torch.randn(got.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(
-        torch.autograd.grad(got, (q, k, v), out_grad),
-        torch.autograd.grad(want, (q, k, v), out_grad),
-        strict=True,
-    ):
-        assert (a - b).abs().max() <= 1e-9
+    assert_same_gradients(got, want, (q, k, v), g)
     assert layout.visible_pairs() == int(mask.sum())
     assert plan.visited_pairs >= layout.visible_pairs()  # every visible pair is computed
 
@@ -228,18 +233,26 @@ def test_query_ranges_of_a_plan_give_the_rows_of_the_whole(monkeypatch, seed):
     are the whole row's attention, whatever the range boundaries cut (blocks, segments, padding)."""
     rng = random.Random(100 + seed)
     monkeypatch.setattr(tree_attention, "BLOCK_QUERIES", rng.choice([5, 16, 128]))
+    # odd seeds: masked blocks recomputed in the backward pass
+    monkeypatch.setattr(tree_attention, "RECOMPUTE_ABOVE_MASK_BYTES", -1 if seed % 2 else 1 << 40)
     rows = tuple(random_row(rng, rng.randint(1, 12), rng.choice([3, 40])) for _ in range(rng.randint(1, 3)))
     width = max(row[-1][1] for row in rows) + rng.randint(0, 9)
     layout = TreeLayout(width, rows)
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(len(rows), h, width, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    q, k, v = (
+        torch.randn(len(rows), h, width, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        for h in (4, 2, 2)
+    )
     want = brute_force(q, k, v, layout.dense())
     cuts = sorted({0, width, *(rng.randint(0, width) for _ in range(rng.randint(1, 4)))})
     parts = []
     for lo, hi in zip(cuts, cuts[1:], strict=False):
         plan = plan_tree(layout, heads=4, queries=(lo, hi))
         assert (plan.q_start, plan.q_len, plan.keys_expected) == (lo, hi - lo, width)
+        assert plan.recompute == bool(seed % 2 and hi > lo)
         parts.append(tree_attention.tree_attention(q[:, :, lo:hi], k, v, plan))
-    assert (torch.cat(parts, dim=2) - want).abs().max() <= 1e-10
+    got = torch.cat(parts, dim=2)
+    assert (got - want).abs().max() <= 1e-10
+    assert_same_gradients(got, want, (q, k, v), g)
     with pytest.raises(ValueError, match="outside the rows"):
         plan_tree(layout, heads=4, queries=(0, width + 1))

@@ -53,8 +53,10 @@ from gyre_ray.envs.task_scoring import (
     template_problem,
 )
 
-TASK_KEYS = {"id", "prompt", "prompt_file", "files", "seed_dir", "git", "git_rev", "hidden", "time_limit_s"}
-TASK_KEYS |= {"evaluator"}
+TASK_KEYS = {
+    *("id", "prompt", "prompt_file", "files", "seed_dir", "git", "git_rev", "hidden", "time_limit_s"),
+    "evaluator",
+}
 EVAL_KEYS = {"score", "command", "timeout_s", "test_timeout_s"}
 # The prompt reaches every harness as one environment string (GYRE_TASK_PROMPT) and some as one
 # argument; Linux refuses either beyond 128 KiB (MAX_ARG_STRLEN), failing every execution at exec.
@@ -254,6 +256,8 @@ def _git_source(raw: dict, base: Path, where: str) -> tuple[str | None, str | No
                 f"{where}: {key} {value!r} must not start with '-' (git would read it as an option) "
                 "nor hold a NUL character"
             )
+    if git is not None and git.startswith("file://"):  # a local repository all the same: checked as one
+        git = git[len("file://") :]
     if git is None or GIT_URL.match(git):
         return git, rev
     return str(_path(base, git, f"{where}: git (a local repository)", "folder")), rev
@@ -304,6 +308,11 @@ def _check_seeds(tasks: list[Task], wheres: dict[str, str]) -> None:
                 raise TaskFileError(
                     f"{where}: seed_dir {task.seed_dir} holds the hidden tests of task {owner!r} ({folder}): "
                     "they would be copied into the workspace"
+                )
+            if task.seed_dir is not None and folder in task.seed_dir.parents:
+                raise TaskFileError(
+                    f"{where}: seed_dir {task.seed_dir} lies inside the hidden tests of task {owner!r} "
+                    f"({folder}): its files would be copied into the workspace"
                 )
         if task.git is None or not os.path.isabs(task.git):
             continue

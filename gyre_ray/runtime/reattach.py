@@ -63,9 +63,12 @@ class SchedulerReattach:
     def _go_on_with_clock(self, state: JournalState) -> None:
         """Run on the dead actor's clock (its journaled `clock`, read through `time.time()`, so another
         node's clock skew shifts it), so launches, ends, spans and publishes before and after the
-        restart share one time line; a journal without one starts the clock now."""
+        restart share one time line, and the run's timeout still counts from its start; a journal
+        without one (written before clocks were journaled) keeps this actor's clock and journals it."""
         if state.clock_wall is not None:
             self.t0 = time.monotonic() - max(0.0, time.time() - state.clock_wall)
+        else:
+            self.journal.clock(time.time() - (time.monotonic() - self.t0))
         published = [row["metrics"].get("published_at_s") for row in state.published]
         self.recorder.last_publish = max([p for p in published if isinstance(p, (int, float))], default=0.0)
 

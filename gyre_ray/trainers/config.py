@@ -35,7 +35,7 @@ class TrainerSection(Section):
     )
     tensor_parallel_workers: Literal["auto", "ray", "process"] = Field(
         "auto",
-        description="Megatron backend, tensor parallel > 1: where the ranks run: 'ray' (one Ray actor per rank "
+        description="Megatron backend, more than one rank (tensor x context parallel): where the ranks run: 'ray' (one Ray actor per rank "
         "in the caller's placement group), 'process' (spawned child processes), 'auto' (ray inside a Ray "
         "worker such as a cell actor, else process).",
     )

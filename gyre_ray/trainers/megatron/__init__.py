@@ -1,11 +1,13 @@
 """The Megatron-core trainer backend (`trainer.backend=megatron`).
 
-`make_megatron_trainer` returns a `Trainer`: `MegatronTrainer` in this process for tensor parallel 1;
-for more, `RayTensorParallelTrainer` (one Ray actor per rank in the caller's placement group) inside
-a Ray worker such as a cell actor, else `TensorParallelTrainer` (one spawned process per rank);
-gloo or NCCL between the ranks (`trainer.tensor_parallel_workers` chooses). Modules: `convert` (HF <->
-Megatron names and tensor-parallel shards, pure tensors), `build` (process groups, `GPTModel` from
-`ModelArgs`), `cpu_shims` (the two CPU shims), `trainer`, `tensor_parallel`, `ray_ranks`.
+`make_megatron_trainer` returns a `Trainer`: `MegatronTrainer` in this process for one rank (tensor
+and context parallel 1); for more, `RayTensorParallelTrainer` (one Ray actor per rank in the caller's
+placement group) inside a Ray worker such as a cell actor, else `TensorParallelTrainer` (one spawned
+process per rank); gloo or NCCL between the ranks (`trainer.tensor_parallel_workers` chooses).
+Modules: `convert` (HF <-> Megatron names and tensor-parallel shards, pure tensors), `build` (process
+groups, `GPTModel` from `ModelArgs`), `cpu_shims` (the two CPU shims), `trainer`, `tree_core` (tree
+attention as Megatron's core attention), `context_parallel` (a micro-batch's columns split among
+ranks), `tensor_parallel`, `ray_ranks`.
 Imports are lazy: megatron-core loads only when a Megatron trainer is built.
 """
 
@@ -38,7 +40,8 @@ def make_megatron_trainer(
         from gyre_ray.trainers.megatron.trainer import MegatronTrainer
 
         return MegatronTrainer(hf_state, args, section, loss_fn, version=version)
-    from gyre_ray.trainers.megatron.ray_ranks import default_threads, inside_ray_worker
+    from gyre_ray.trainers.megatron.ray_ranks import inside_ray_worker
+    from gyre_ray.trainers.megatron.tensor_parallel import default_threads
 
     workers = section.tensor_parallel_workers
     if workers == "ray" or (workers == "auto" and inside_ray_worker()):

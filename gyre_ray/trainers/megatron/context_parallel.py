@@ -38,8 +38,9 @@ class _GatherColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
+        x = x.contiguous()  # (and so are its peers: collectives take dense tensors)
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        dist.all_gather(parts, x, group=group)
         return torch.cat(parts, dim=0)
 
     @staticmethod

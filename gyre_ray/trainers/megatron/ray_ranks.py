@@ -8,7 +8,8 @@ process and so its own torch.distributed world (Megatron owns a process' default
 why the ranks cannot share the cell's process). The cell's process serves the TCP store the ranks
 rendezvous at (its node's address, a free port); gloo on CPU, NCCL on GPU.
 
-Rank actors of a named caller are named `<caller>-tp<rank>` (e.g. `cell-0-tp1`, in the job's namespace).
+Rank actors of a named caller are named `<caller>-tp<rank>` (e.g. `cell-0-tp1`, in the job's namespace;
+`<rank>` is the rank in the cell's world, tensor x context parallel).
 Resources: the cell actor already holds its bundle, so rank actors ask for no CPUs or GPUs of their
 own (`num_cpus=0`); on GPU, rank r sees the cell's r-th GPU (`CUDA_VISIBLE_DEVICES` from the cell's
 `ray.get_gpu_ids()`). Every call goes to all ranks in the same order (Ray keeps one caller's calls to
@@ -20,7 +21,6 @@ re-raised as one; any other rank failure is a `RankError` naming the rank.
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from typing import Any
 
@@ -34,7 +34,7 @@ from gyre_ray.trainers.megatron.tensor_parallel import RankDrivenTrainer, RankEr
 
 
 class RankActor:
-    """One tensor-parallel rank (wrapped by `ray.remote` at use)."""
+    """One Megatron rank (wrapped by `ray.remote` at use)."""
 
     def __init__(self, rank: int, host: str, port: int, init: dict[str, Any], threads: int) -> None:
         self.rank = rank
@@ -136,10 +136,10 @@ class RayTensorParallelTrainer(RankDrivenTrainer):
                 raise
             except ray.exceptions.GetTimeoutError:
                 raise RankError(
-                    f"tensor-parallel rank actor {rank}: no answer to {what} within {self.timeout_s:.0f} s"
+                    f"Megatron rank actor {rank}: no answer to {what} within {self.timeout_s:.0f} s"
                 ) from None
             except Exception as exc:
-                raise RankError(f"tensor-parallel rank actor {rank} failed in {what}: {exc}") from None
+                raise RankError(f"Megatron rank actor {rank} failed in {what}: {exc}") from None
         return results
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -159,7 +159,3 @@ def inside_ray_worker() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
     except Exception:
         return False
-
-
-def default_threads(ranks: int) -> int:
-    return max(1, (os.cpu_count() or 1) // ranks)

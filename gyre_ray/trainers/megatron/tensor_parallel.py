@@ -1,4 +1,5 @@
-"""`TensorParallelTrainer`: a `Trainer` whose tensor-parallel ranks run as spawned processes.
+"""`TensorParallelTrainer`: a `Trainer` whose Megatron ranks (tensor x context parallel) run as spawned
+processes.
 
 Each rank process builds a `MegatronTrainer` (its shards, its AdamW state) and joins one
 torch.distributed world through a `TCPStore` this process serves on 127.0.0.1 (a free port chosen by
@@ -35,8 +36,13 @@ from gyre_ray.trainers.config import TrainerSection
 HOST = "127.0.0.1"
 
 
+def default_threads(ranks: int) -> int:
+    """torch threads per rank: this machine's CPUs shared among the ranks."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
 class RankError(RuntimeError):
-    """A tensor-parallel rank failed; the message carries its traceback."""
+    """A Megatron rank failed; the message carries its traceback."""
 
 
 def _dump_loss(loss_fn: LossFn) -> bytes:
@@ -116,7 +122,7 @@ def _stop(processes: list[Any], conns: list[Connection]) -> None:
 
 
 class RankDrivenTrainer(Trainer):
-    """The `Trainer` interface over tensor-parallel ranks: every call goes to all of them (`_call`),
+    """The `Trainer` interface over Megatron ranks: every call goes to all of them (`_call`),
     rank 0's answer comes back. Subclasses own the ranks (processes here, Ray actors in `ray_ranks`)."""
 
     args: ModelArgs
@@ -188,7 +194,7 @@ class TensorParallelTrainer(RankDrivenTrainer):
         ranks = section.megatron_ranks
         self._store = dist.TCPStore(HOST, 0, world_size=ranks, is_master=True, wait_for_workers=False)
         init = rank_init(hf_state, args, section, loss_fn, version)
-        threads = max(1, (os.cpu_count() or 1) // ranks)
+        threads = default_threads(ranks)
         ctx = mp.get_context("spawn")
         self._conns, self._processes = [], []
         for rank in range(ranks):
@@ -215,15 +221,13 @@ class TensorParallelTrainer(RankDrivenTrainer):
         replies = []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(self.timeout_s):
-                raise RankError(
-                    f"tensor-parallel rank {rank}: no answer to {what} within {self.timeout_s:.0f} s"
-                )
+                raise RankError(f"Megatron rank {rank}: no answer to {what} within {self.timeout_s:.0f} s")
             replies.append(conn.recv())
         for rank, (kind, payload) in enumerate(replies):
             if kind == "input":
                 raise ValueError(payload)
             if kind != "ok":
-                raise RankError(f"tensor-parallel rank {rank} failed in {what}:\n{payload}")
+                raise RankError(f"Megatron rank {rank} failed in {what}:\n{payload}")
         return replies[0][1]
 
     def _call(self, method: str, *args: Any) -> Any:

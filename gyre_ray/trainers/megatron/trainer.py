@@ -1,4 +1,6 @@
-"""`MegatronTrainer`: the `Trainer` interface over a Megatron-core `GPTModel` (one tensor-parallel rank).
+"""`MegatronTrainer`: the `Trainer` interface over a Megatron-core `GPTModel` (one rank: tensor- and,
+with `trainer.context_parallel_size`, context-parallel; `context_parallel.py` says how a micro-batch's
+columns are split).
 
 Weights come in and go out under HF Qwen3 names (`convert.py`), so the trainer loads the same HF
 folder as the torch trainer and engines, and `state_dict` / `export_grads` / `import_grads` speak the
@@ -22,7 +24,8 @@ log-probs per the contract there, so the loss is the very `gyre_ray.algo` loss t
 
 Gradients: summed across calls. Megatron sums q/k-norm gradients over the tensor-parallel group in
 `finalize_model_grads` (those norms see only this rank's heads); without its DDP wrapper this trainer
-does the same after each backward. Norms of sharded gradients are all-reduced for clipping, so every
+does the same after each backward, and under context parallelism sums every gradient of that
+backward over the context-parallel group (one flat all-reduce). Norms of sharded gradients are all-reduced for clipping, so every
 rank clips and steps alike. Optimizer: torch AdamW per rank (Megatron's optimizer does not run on
 CPU); on GPU the same code runs, Megatron's distributed optimizer is not wired yet.
 """
@@ -57,10 +60,10 @@ class MegatronInputError(ValueError):
 
 
 class MegatronTrainer(Trainer):
-    """One tensor-parallel rank in this process; with tensor_parallel_size 1 it is the whole trainer.
+    """One rank in this process; with tensor and context parallel 1 it is the whole trainer.
 
-    With tensor parallel > 1 every rank's process constructs one and makes the same calls in the
-    same order (collectives inside); `TensorParallelTrainer` drives them.
+    With more ranks every rank's process constructs one and makes the same calls in the same order
+    (collectives inside); `TensorParallelTrainer` or `RayTensorParallelTrainer` drives them.
     """
 
     def __init__(
@@ -189,16 +192,22 @@ class MegatronTrainer(Trainer):
 
     def _reduce_partial_grads(self, held: dict[str, torch.Tensor | None]) -> None:
         qk_norms = set(self._qk_norm_names())
-        for name, before in held.items():
+        fresh = []
+        for name in held:
             param = self.params[name]
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             if name in qk_norms:
                 dist.all_reduce(param.grad, group=self.tp_group)
-            if self.cp_size > 1:
-                dist.all_reduce(param.grad, group=self.cp_group)
+            fresh.append(param.grad)
+        if self.cp_size > 1 and fresh:  # one flat all-reduce of this backward's gradients
+            flat = torch._utils._flatten_dense_tensors(fresh)
+            dist.all_reduce(flat, group=self.cp_group)
+            for grad, summed in zip(fresh, torch._utils._unflatten_dense_tensors(flat, fresh), strict=True):
+                grad.copy_(summed)
+        for name, before in held.items():
             if before is not None:
-                param.grad.add_(before)
+                self.params[name].grad.add_(before)
 
     # ------------------------------------------------------------------ gradients
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -344,7 +353,12 @@ class MegatronTrainer(Trainer):
         self.zero_grads()
 
     def metadata(self) -> dict[str, Any]:
-        return {**super().metadata(), "backend": "megatron", "tensor_parallel_size": self.tp_size}
+        return {
+            **super().metadata(),
+            "backend": "megatron",
+            "tensor_parallel_size": self.tp_size,
+            "context_parallel_size": self.cp_size,
+        }
 
 
 def _check_batch(batch: MicroBatch, vocab_size: int) -> None:
