@@ -14,13 +14,16 @@ to do next where there is something to do. The status is read from what the job 
   `gyre_ray.live_run.driver_state`: `running`, `gone` (a driver of this host no longer runs: attach,
   or resume if the cluster went too) or `elsewhere`;
 - `stopped`: none of these (the driver was killed outright, or the machine went down).
-A file whose JSON holds what the job never writes (a metrics row whose `reward_mean` is no number, a
-summary whose `costs` is no object, ...) is read like a torn one: rows up to it count, its summary is
-no proof the run ended, and its note joins the run's error; one such folder never hides the others.
+A file whose JSON holds what the job never writes (a metrics row whose `reward_mean` is no finite
+number, a summary whose `costs` is no object, ...) is read like a torn one: rows up to it count, its
+summary is no proof the run ended, and its note joins the run's error; one such folder never hides
+the others.
 A `config.json` that does not read as the job writes it (not a JSON object, a `run.steps` that is no
 step count) loses only the configured step count, with a note; a `summary.json` that is JSON but no
-object is said so. Warm-up caches (`warmup.json`) and folders without `config.json` are not runs and
-are left out. ROOT that is itself a run folder is refused with a hint to give its parent.
+object is said so. A newest checkpoint whose state.json holds no step is noted and passed over for
+the one before it (as `--resume` does), without changing the status. Warm-up caches (`warmup.json`)
+and folders without `config.json` are not runs and are left out. ROOT that is itself a run folder is
+refused with a hint to give its parent.
 `--json` prints the same as one JSON list.
 """
 
@@ -34,6 +37,7 @@ from typing import Any
 from gyre_ray.checkpoint import complete_checkpoints, load_state
 from gyre_ray.live_run import LIVE_FILE, driver_state
 from gyre_ray.observability.metrics import trend_window
+from gyre_ray.observability.report import is_number, short
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.train import FAILED_FILE, NOTHING_SCORED
 from gyre_ray.trajectory.records import is_int
@@ -111,10 +115,6 @@ def _blank_run(folder: Path) -> dict[str, Any]:
     }
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 RUN_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json", FAILED_FILE, LIVE_FILE)
 _TORN = object()  # a file that is not JSON (empty, cut off, not text)
 
@@ -145,15 +145,15 @@ def _steps_configured(folder: Path, notes: list[str] | None = None) -> int | Non
         notes.append("config.json does not read as JSON (empty or cut off): its step count is unknown")
         return None
     if not isinstance(config, dict):
-        notes.append(f"config.json {_short(config)} is not a JSON object: its step count is unknown")
+        notes.append(f"config.json {short(config)} is not a JSON object: its step count is unknown")
         return None
     run = config.get("run", {})
     if not isinstance(run, dict):
-        notes.append(f"config.json: run {_short(run)} is not an object: its step count is unknown")
+        notes.append(f"config.json: run {short(run)} is not an object: its step count is unknown")
         return None
     steps = run.get("steps")
     if steps is not None and not (is_int(steps) and steps >= 0):
-        notes.append(f"config.json: run.steps {_short(steps)} is not a step count")
+        notes.append(f"config.json: run.steps {short(steps)} is not a step count")
         return None
     return steps
 
@@ -170,8 +170,8 @@ def _rewards(path: Path, notes: list[str]) -> tuple[int, list[float]]:
                 continue
             value = row["reward_mean"]
             # a step that scored no execution logs reward_mean null: logged, but no reward to average
-            if value is not None and not _is_number(value):
-                notes.append(f"{path.name} line {number}: reward_mean {_short(value)} is not a number")
+            if value is not None and not is_number(value):
+                notes.append(f"{path.name} line {number}: reward_mean {short(value)} is not a number")
                 break
             logged += 1
             if value is not None:
@@ -182,51 +182,49 @@ def _rewards(path: Path, notes: list[str]) -> tuple[int, list[float]]:
 
 
 def _checkpoint_step(folder: Path, notes: list[str]) -> int | None:
-    checkpoints = complete_checkpoints(folder)
-    if not checkpoints:
-        return None
-    try:
-        step = load_state(checkpoints[-1]).get("step", 0)
-    except (OSError, ValueError, AttributeError):
-        step = None
-    if not is_int(step):
-        notes.append(f"{checkpoints[-1].name}: its state.json holds no step number")
-        return None
-    return step
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    """The step of the newest complete checkpoint whose state.json holds one; each newer one whose
+    state.json does not is noted and passed over, as `gyre-ray train --resume` passes over a damaged
+    checkpoint for the one before it."""
+    for checkpoint in reversed(complete_checkpoints(folder)):
+        try:
+            step = load_state(checkpoint).get("step", 0)
+        except (OSError, ValueError, AttributeError):
+            step = None
+        if is_int(step) and step >= 0:
+            return step
+        notes.append(f"{checkpoint.name}: its state.json holds no step number")
+    return None
 
 
 def describe_run(folder: Path) -> dict[str, Any]:
     """One run folder's status, progress, reward, makespan, newest checkpoint and next step."""
     notes: list[str] = []  # files holding what the job never writes: read like torn ones
-    config_notes: list[str] = []  # an odd config.json: only its step count is lost, not the status
+    # an odd config.json (only its step count is lost) or checkpoint (an older one is resumed from)
+    # says nothing of how the run ended: noted without changing its status
+    side_notes: list[str] = []
     logged, rewards = _rewards(folder / "metrics.jsonl", notes)
     ends = trend_window(len(rewards), FIRST_LAST)  # steps averaged at each end, never overlapping
     run = _blank_run(folder)
     run.update(
         steps_logged=logged,
-        steps_configured=_steps_configured(folder, config_notes),
+        steps_configured=_steps_configured(folder, side_notes),
         reward_first=_mean(rewards[:ends]),
         reward_last=_mean(rewards[-ends:]),
-        checkpoint_step=_checkpoint_step(folder, notes),
+        checkpoint_step=_checkpoint_step(folder, side_notes),
     )
     summary, not_object = None, None
     if (folder / "summary.json").is_file():
         raw = _json_file(folder / "summary.json")
         summary = raw if isinstance(raw, dict) else {}  # {}: no proof the run ended
         if raw is not _TORN and not isinstance(raw, dict):
-            not_object = f"summary.json {_short(raw)} is not a JSON object (so no proof the run ended)"
+            not_object = f"summary.json {short(raw)} is not a JSON object (so no proof the run ended)"
     if summary:
         costs = summary.get("costs")
         makespan = costs.get("makespan_s") if isinstance(costs, dict) else None
         if costs is not None and not isinstance(costs, dict):
-            notes.append(f"summary.json: costs {_short(costs)} is not an object")
-        elif makespan is not None and not _is_number(makespan):
-            notes.append(f"summary.json: costs.makespan_s {_short(makespan)} is not a number")
+            notes.append(f"summary.json: costs {short(costs)} is not an object")
+        elif makespan is not None and not is_number(makespan):
+            notes.append(f"summary.json: costs.makespan_s {short(makespan)} is not a number")
         else:
             run["makespan_s"] = makespan
     errors = []
@@ -236,7 +234,7 @@ def describe_run(folder: Path) -> dict[str, Any]:
         run["status"] = "failed"
         error = json_object(folder / FAILED_FILE, {}).get("error")
         if error is not None and not isinstance(error, str):
-            notes.append(f"{FAILED_FILE}: error {_short(error)} is not text")
+            notes.append(f"{FAILED_FILE}: error {short(error)} is not text")
         elif error:
             errors.append(error)
     elif (folder / LIVE_FILE).is_file():
@@ -246,7 +244,7 @@ def describe_run(folder: Path) -> dict[str, Any]:
         run["status"] = "done"
     elif summary is not None and not summary:  # the job was killed while writing its last file
         errors.append(not_object or "summary.json is empty or cut off (the job was killed while writing it)")
-    run["error"] = "; ".join(errors + notes + config_notes) or None
+    run["error"] = "; ".join(errors + notes + side_notes) or None
     run["next"] = _next_step(run)
     return run
 
@@ -254,7 +252,7 @@ def describe_run(folder: Path) -> dict[str, Any]:
 def _driver(driver: Any, notes: list[str]) -> Any:
     """live-run.json's driver as `driver_state` reads it: a pid that is no number is noted, not looked up."""
     if isinstance(driver, dict) and "pid" in driver and not is_int(driver["pid"]):
-        notes.append(f"{LIVE_FILE}: driver pid {_short(driver['pid'])} is not a number")
+        notes.append(f"{LIVE_FILE}: driver pid {short(driver['pid'])} is not a number")
         return None
     return driver
 
@@ -283,8 +281,9 @@ def format_runs(runs: list[dict[str, Any]], root: Path) -> str:
     """The list as a table (newest first), then each run's error and next step where there is one."""
     if not runs:
         return f"no run folders under {root}"
+    width = max(34, *(len(run["name"]) for run in runs))  # a long run.name must not shift the columns
     lines = [
-        f"{'run':34s} {'status':8s} {'steps':>7s} {'reward first -> last':>21s} {'makespan':>9s} {'ckpt':>5s}"
+        f"{'run':{width}s} {'status':8s} {'steps':>7s} {'reward first -> last':>21s} {'makespan':>9s} {'ckpt':>5s}"
     ]
     notes = []
     for run in runs:
@@ -299,7 +298,7 @@ def format_runs(runs: list[dict[str, Any]], root: Path) -> str:
         makespan = f"{run['makespan_s']:.1f} s" if run["makespan_s"] is not None else "-"
         ckpt = str(run["checkpoint_step"]) if run["checkpoint_step"] is not None else "-"
         lines.append(
-            f"{run['name']:34s} {run['status']:8s} {steps:>7s} {reward:>21s} {makespan:>9s} {ckpt:>5s}"
+            f"{run['name']:{width}s} {run['status']:8s} {steps:>7s} {reward:>21s} {makespan:>9s} {ckpt:>5s}"
         )
         if run["error"]:
             notes.append(f"  {run['name']}: {run['error']}")

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.trajectory.records import is_int
+
 SWITCH_COLUMNS = (
     "cell", "direction", "at_s", "seconds", "batch", "executions_running", "executions_rehosted",
     "requests_migrated", "drain_s", "demand", "rollout_capacity",
@@ -59,6 +61,11 @@ class MetricsLogger:
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.last_step = 0
+        # what goes to wandb before this segment's first row (an evaluation round that ends first, the
+        # end-of-run table) goes to the step after the rows a resumed run logged before: wandb drops
+        # anything logged at a step below one it has (online, a resumed run starts after its last step)
+        self._logged = False
+        self._resume_step = self._next_step() if resume else 0
         self._wandb = None
         if wandb_mode != "disabled":
             try:
@@ -80,6 +87,22 @@ class MetricsLogger:
                 self._wandb_failed(exc)
         self._send_pending(run_dir / WANDB_PENDING_FILE)
 
+    def _next_step(self) -> int:
+        """The step after the last row of metrics.jsonl (0 without one, or when it does not read)."""
+        from gyre_ray.proxy.store_files import json_lines
+
+        try:
+            rows = list(json_lines(self.path))
+        except (OSError, ValueError):
+            return 0
+        steps = [row["step"] for row in rows if isinstance(row, dict) and is_int(row.get("step"))]
+        return max(steps) + 1 if steps else 0
+
+    def _extra_step(self) -> int:
+        """The wandb step for what is no step's row: the last row's step, or, before this segment logged
+        one, the step it resumes at."""
+        return self.last_step if self._logged else self._resume_step
+
     def _send_pending(self, path: Path) -> None:
         """Rows a resume recovered (already in metrics.jsonl) to wandb, in step order; then forget them."""
         from gyre_ray.proxy.store_files import json_lines
@@ -88,7 +111,7 @@ class MetricsLogger:
             return
         rows = [row for row in json_lines(path) if isinstance(row.get("step"), int)]
         for row in sorted(rows, key=lambda r: r["step"]):
-            self.last_step = max(self.last_step, row["step"])
+            self.last_step, self._logged = max(self.last_step, row["step"]), True
             self._send(flatten({k: v for k, v in row.items() if k != "step"}), row["step"])
         path.unlink()
 
@@ -103,14 +126,14 @@ class MetricsLogger:
         row = {"step": step, **metrics}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(row, default=float) + "\n")
-        self.last_step = max(self.last_step, step)
+        self.last_step, self._logged = max(self.last_step, step), True
         self._send(flatten({k: v for k, v in metrics.items() if k != "step"}), step)
 
     def log_eval(self, row: dict[str, Any]) -> None:
         """One evaluation round (already in eval.jsonl) to wandb, on the `eval/step` axis."""
         from gyre_ray.evaluation import flat_metrics
 
-        self._send(flat_metrics(row), self.last_step)
+        self._send(flat_metrics(row), self._extra_step())
 
     def finish_run(self, summary: dict[str, Any], report: Path | None) -> None:
         """The end of the run for wandb: the switch events as a table, the report's pictures as images."""
@@ -124,7 +147,7 @@ class MetricsLogger:
             if report is not None:
                 for picture in sorted(report.parent.glob("*.png")):
                     data[f"report/{picture.stem}"] = wandb.Image(str(picture), caption=picture.stem)
-            self._wandb.log(data, step=self.last_step)
+            self._wandb.log(data, step=self._extra_step())
         except Exception as exc:
             self._wandb_failed(exc)
 
@@ -137,8 +160,13 @@ class MetricsLogger:
             self._wandb_failed(exc)
 
     def close(self) -> None:
+        """Finish the wandb run (a failure to, e.g. an upload that fails online, is reported, not raised:
+        it would hide the run's result or its own error)."""
         if self._wandb is not None:
-            self._wandb.finish()
+            try:
+                self._wandb.finish()
+            except Exception as exc:
+                self._wandb_failed(exc)
             self._wandb = None
 
 

@@ -6,25 +6,29 @@ cells' work spans and the switch events) and writes under `RUN_DIR/report/` (or 
 - `timeline.png`: one row per cell, what it did when (rollout / training / switching), with the
   number of executions running over time beneath (the saw-tooth of the reference paper's figure);
 - `switches.png`: each role switch's latency by direction, over the run;
-- `staleness.png`: the policy-version lag of trained tokens per step (max and mean);
+- `staleness.png`: the policy-version lag of trained tokens per step (max and mean; a step that
+  trained no token is a gap, not a lag of 0);
 - `eval.png`: the evaluation curve, held-out reward per task and mean, and the pass rate, against the
   updates the evaluated policy had (`eval.jsonl`, else the newest `evals/<time>/eval.jsonl` that
   `gyre-ray eval --run` wrote; a note when there is none);
 - `index.html`: the pictures and a table of the step metrics.
 A run that did not finish (killed, crashed) gets what its files allow: a torn last line of a JSONL
 file is skipped, an empty or torn `summary.json` counts as absent, and the pictures that need a
-missing file are left out with a note saying which and why. A JSONL line the job never writes (not
-JSON before the last line, not an object, or a field the pictures read holding the wrong kind of
-value: a `step` that is no integer, a `reward_mean` or `start` that is no number, ...) is a
-ReportError naming file, line and field; a `summary.json` whose spans or switches are not what the
-job writes is left out like a torn one, with a note naming the field. The training job writes the
-report at the end of every run. Uses matplotlib's Agg backend.
+missing file are left out with a note saying which and why (and their files from an earlier report
+removed); a run with `failed.json` gets a first note with its error, and a picture with nothing to
+show says why in it. A JSONL line the job never writes (not JSON before the last line, not an
+object, or a field the pictures read holding the wrong kind of value: a `step` that is no integer, a
+`reward_mean` or `start` that is no number, NaN and infinity included, ...) is a ReportError naming
+file, line and field; a `summary.json` whose spans or switches are not what the job writes is left
+out like a torn one, with a note naming the field. The training job writes the report at the end of
+every run. Uses matplotlib's Agg backend.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.proxy.store_files import json_object
+from gyre_ray.train import FAILED_FILE
 from gyre_ray.trajectory.records import is_int
 
 KIND_COLORS = {"rollout": "#2f6db5", "training": "#e07b1a", "switching": "#9e9e9e"}
@@ -46,19 +51,23 @@ def _or_nan(value: float | None) -> float:
     return float("nan") if value is None else float(value)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def is_number(value: Any) -> bool:
+    """A finite JSON number (not a bool; NaN and infinity, which Python's json reads, are no figure)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """`value` as JSON, cut to 40 characters (a value from a run file, in a message)."""
     text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 _KINDS = {
     "int": (is_int, "an integer"),
-    "number": (_is_number, "a number"),
-    "number|null": (lambda v: v is None or _is_number(v), "a number or null"),
+    "number": (is_number, "a number"),
+    "number|null": (lambda v: v is None or is_number(v), "a number or null"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "string": (lambda v: isinstance(v, str), "a string"),
     "object": (lambda v: isinstance(v, dict), "an object"),
@@ -70,7 +79,7 @@ def _field_problem(row: dict[str, Any], key: str, kind: str, required: bool = Fa
     if key not in row:
         return f"lacks the field {key}" if required else None
     check, wanted = _KINDS[kind]
-    return None if check(row[key]) else f"{key} {_short(row[key])} is not {wanted}"
+    return None if check(row[key]) else f"{key} {short(row[key])} is not {wanted}"
 
 
 def _step_row_problem(row: dict[str, Any]) -> str | None:
@@ -78,7 +87,7 @@ def _step_row_problem(row: dict[str, Any]) -> str | None:
     return (
         _field_problem(row, "step", "int", required=True)
         or _field_problem(row, "reward_mean", "number|null")
-        or _map_problem(row, "staleness", ("max", "mean"), "number", nullable=True)
+        or _map_problem(row, "staleness", ("max", "mean", "tokens"), "number", nullable=True)
         or _map_problem(row, "reward_by_task", None, "number|null", nullable=True)
     )
 
@@ -108,7 +117,7 @@ def _eval_row_problem(row: dict[str, Any]) -> str | None:
     if problem is None:
         for task, figures in row["tasks"].items():
             if not isinstance(figures, dict):
-                return f"tasks.{task} {_short(figures)} is not an object"
+                return f"tasks.{task} {short(figures)} is not an object"
             if (inner := _field_problem(figures, "reward", "number|null", required=True)) is not None:
                 return f"tasks.{task}: {inner}"
     return problem
@@ -119,22 +128,22 @@ def _summary_problem(summary: dict[str, Any]) -> str | None:
     published_at_s, switches), or None when it is what the job writes."""
     spans, cells = summary.get("spans") or [], summary.get("utilisation") or {}
     if not isinstance(spans, list):
-        return f"spans {_short(spans)} is not a list"
+        return f"spans {short(spans)} is not a list"
     for k, span in enumerate(spans):
         if not (
             isinstance(span, list) and len(span) == 4 and isinstance(span[0], str)
-            and isinstance(span[1], str) and _is_number(span[2]) and _is_number(span[3])
+            and isinstance(span[1], str) and is_number(span[2]) and is_number(span[3])
         ):  # fmt: skip
-            return f"spans[{k}] {_short(span)} is not [cell, kind, start, end]"
+            return f"spans[{k}] {short(span)} is not [cell, kind, start, end]"
     if not isinstance(cells, dict):
-        return f"utilisation {_short(cells)} is not an object"
+        return f"utilisation {short(cells)} is not an object"
     for key in ("steps", "switches"):
         items = summary.get(key) or []
         if not isinstance(items, list):
-            return f"{key} {_short(items)} is not a list"
+            return f"{key} {short(items)} is not a list"
         for k, item in enumerate(items):
             if not isinstance(item, dict):
-                return f"{key}[{k}] {_short(item)} is not an object"
+                return f"{key}[{k}] {short(item)} is not an object"
             if key == "steps":
                 problem = _field_problem(item, "published_at_s", "number")
             elif "seconds" in item:  # a switch that ended: drawn
@@ -159,11 +168,11 @@ def _map_problem(
     if value is None and (nullable or key not in row):
         return None
     if not isinstance(value, dict):
-        return f"{key} {_short(value)} is not an object"
+        return f"{key} {short(value)} is not an object"
     check, wanted = _KINDS[kind]
     for name in names if names is not None else list(value):
         if name in value and not check(value[name]):
-            return f"{key}.{name} {_short(value[name])} is not {wanted}"
+            return f"{key}.{name} {short(value[name])} is not {wanted}"
     return None
 
 
@@ -234,6 +243,12 @@ def load_run(run_dir: Path) -> dict[str, Any]:
         notes.insert(0, f"left out timeline.png and switches.png ({why}: the run did not finish)")
     elif trace is None:
         notes.insert(0, "timeline.png without the executions running (no trace.jsonl)")
+    if not steps:
+        notes.insert(0, "reward.png and staleness.png have no step to show: metrics.jsonl holds none yet")
+    if (run_dir / FAILED_FILE).is_file():
+        error = json_object(run_dir / FAILED_FILE, {}).get("error")
+        said = f": {error if len(error) <= 300 else error[:297] + '...'}" if isinstance(error, str) else ""
+        notes.insert(0, f"the run stopped before its end ({FAILED_FILE}){said}")
     return {"steps": steps, "trace": trace, "summary": summary, "eval": rounds, "notes": notes}
 
 
@@ -278,19 +293,56 @@ def _plt() -> Any:
     return plt
 
 
+def _step_axis(ax: Any, xs: list[int]) -> None:
+    """Whole steps on the x axis; one step alone gets room around it (matplotlib would tick -0.04 to 0.04)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    if not xs or min(xs) == max(xs):
+        at = xs[0] if xs else 0
+        ax.set_xlim(at - 0.5, at + 0.5)
+
+
+def _legend_outside(ax: Any) -> None:
+    """The legend right of the plot, where it covers no line however many tasks it names."""
+    entries = len(ax.get_legend_handles_labels()[1])
+    if entries:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+                  ncol=1 + (entries - 1) // 16, frameon=False)  # fmt: skip
+
+
+def _say(ax: Any, text: str, corner: bool = False) -> None:
+    """Why a plot holds no data, in its middle, or (`corner`) why it lacks some, in its top left corner."""
+    if corner:
+        ax.text(0.01, 0.97, text, ha="left", va="top", transform=ax.transAxes, fontsize=7)
+    else:
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, wrap=True)
+
+
+def _steps_named(steps: list[int], limit: int = 8) -> str:
+    named = ", ".join(map(str, steps[:limit]))
+    return named + (f" and {len(steps) - limit} more" if len(steps) > limit else "")
+
+
 def plot_reward(steps: list[dict[str, Any]], trace: list[dict[str, Any]], path: Path) -> Path:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     xs = [m["step"] for m in steps]
     # a step that scored no execution has no reward (None): a gap in the line, not a drop to 0
-    ax.plot(xs, [_or_nan(m.get("reward_mean")) for m in steps], "o-", color="black", lw=2, label="mean")
+    ys = [_or_nan(m.get("reward_mean")) for m in steps]
+    ax.plot(xs, ys, "o-", color="black", lw=2, label="mean")
     by_task = rewards_by_task(trace) or step_rewards_by_task(steps)  # a killed run has no trace
     for task, series in sorted(by_task.items()):
         ax.plot(list(series), list(series.values()), ".--", alpha=0.7, label=task)
+    if not steps:
+        _say(ax, "no step logged yet (metrics.jsonl holds none)", corner=bool(by_task))
+    elif all(math.isnan(y) for y in ys):
+        _say(ax, "no step scored an execution (metrics.jsonl: drop_reasons says why each was dropped)")
     ax.set(xlabel="step", ylabel="reward", title="Reward per step")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    _step_axis(ax, xs + [s for series in by_task.values() for s in series])
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if steps or by_task:
+        _legend_outside(ax)
     return _save(fig, path)
 
 
@@ -336,28 +388,46 @@ def plot_switches(summary: dict[str, Any], path: Path) -> Path:
     if by_direction:
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "no role switches in this run", ha="center", va="center", transform=ax.transAxes)
+        _say(ax, "no role switches in this run")
     return _save(fig, path)
+
+
+def _trained_staleness(m: dict[str, Any]) -> dict[str, Any] | None:
+    """A step's staleness figures, or None where it trained no token (skipped: nothing scored): such a
+    step has no lag at all, which its logged max 0 and mean 0.0 would show as on-policy."""
+    staleness = m.get("staleness")
+    return staleness if staleness and staleness.get("tokens", 1) != 0 else None
 
 
 def plot_staleness(steps: list[dict[str, Any]], path: Path) -> Path:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 3.2))
     xs = [m["step"] for m in steps]
-    ax.bar(xs, [(m.get("staleness") or {}).get("max", 0) for m in steps], color="#fde3c4", label="max")
-    ax.plot(
-        xs, [(m.get("staleness") or {}).get("mean", 0.0) for m in steps], "o-", color="#e07b1a", label="mean"
-    )
+    figures = [_trained_staleness(m) for m in steps]
+    trained = [(x, f) for x, f in zip(xs, figures, strict=True) if f is not None]
+    ax.bar([x for x, _ in trained], [f.get("max", 0) for _, f in trained], color="#fde3c4", label="max")
+    means = [_or_nan(f.get("mean", 0.0)) if f is not None else float("nan") for f in figures]
+    ax.plot(xs, means, "o-", color="#e07b1a", label="mean")  # a gap at a step that trained nothing
+    untrained = [x for x, f in zip(xs, figures, strict=True) if f is None]
+    if not steps:
+        _say(ax, "no step logged yet (metrics.jsonl holds none)")
+    elif not trained:
+        _say(ax, "no step trained a token (nothing scored: metrics.jsonl's skipped says why)")
+    elif untrained:
+        _say(ax, f"no token trained at step {_steps_named(untrained)}", corner=True)
+    top = max((f.get("max", 0) for _, f in trained), default=0)
     ax.set(xlabel="step", ylabel="versions behind", title="Staleness of trained tokens")
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylim(-0.03 * max(1, top), max(1, top) * 1.15)  # a lag is never negative: no tick below 0
+    _step_axis(ax, xs)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if trained:
+        _legend_outside(ax)
     return _save(fig, path)
 
 
 def plot_eval(rounds: list[dict[str, Any]], path: Path) -> Path:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     rounds = sorted(rounds, key=lambda r: r["step"])
     if rounds:
         xs = [r["step"] for r in rounds]
@@ -366,15 +436,20 @@ def plot_eval(rounds: list[dict[str, Any]], path: Path) -> Path:
         )
         for task in sorted({t for r in rounds for t in r["tasks"]}):
             points = [(r["step"], _or_nan(r["tasks"][task]["reward"])) for r in rounds if task in r["tasks"]]
-            ax.plot(*zip(*points, strict=True), ".--", alpha=0.7, label=task)
+            scored = any(not math.isnan(y) for _, y in points)  # else a legend entry with no line: say why
+            ax.plot(
+                *zip(*points, strict=True),
+                ".--",
+                alpha=0.7,
+                label=task if scored else f"{task} (none scored)",
+            )
         ax.plot(xs, [r["pass_rate"] for r in rounds], "s:", color="#2a9d4b", label="pass rate")
-        ax.legend(fontsize=7, ncol=2)
+        _legend_outside(ax)
     else:
-        ax.text(0.5, 0.5, "no evaluation of this run (run.eval_every=0, no gyre-ray eval --run)",
-                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
+        _say(ax, "no evaluation of this run (run.eval_every=0, no gyre-ray eval --run)")
     ax.set(xlabel="updates of the evaluated policy", ylabel="held-out reward / pass rate",
            title="Evaluation on held-out tasks", ylim=(-0.02, 1.02))  # fmt: skip
-    ax.xaxis.get_major_locator().set_params(integer=True)
+    _step_axis(ax, [r["step"] for r in rounds])
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -402,6 +477,9 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pat
             plot_timeline(summary, trace, out / "timeline.png"),
             plot_switches(summary, out / "switches.png"),
         ]
+    else:  # an earlier report's pictures of these would pass for this run's (and go to wandb)
+        for name in ("timeline.png", "switches.png"):
+            (out / name).unlink(missing_ok=True)
     pictures += [
         plot_staleness(run["steps"], out / "staleness.png"),
         plot_eval(run["eval"], out / "eval.png"),
