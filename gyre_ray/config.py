@@ -216,9 +216,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """`yaml.SafeLoader` that refuses a key given twice in one mapping (plain YAML keeps the last)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        own = sum(1 for key_node, _ in node.value if key_node.tag != "tag:yaml.org,2002:merge")
+        self.flatten_mapping(node)  # merge keys (`<<: *anchor`) go first: the mapping's own may override them
+        merged = len(node.value) - own
         seen: set[Any] = set()
-        for key_node, _ in node.value:
+        for index, (key_node, _) in enumerate(node.value):
             key = self.construct_object(key_node, deep=deep)
+            if index < merged:  # a key a merge brought in: the mapping's own keys may override it
+                continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark

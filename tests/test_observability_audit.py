@@ -84,6 +84,20 @@ def test_a_step_that_trained_no_token_is_a_gap_in_staleness_not_a_lag_of_0(
     assert "no token trained at step 2" in _texts(drawn["staleness.png"])
 
 
+def test_a_recovered_update_without_figures_is_not_called_untrained(
+    tmp_path: Path, drawn: dict[str, Any]
+) -> None:
+    """The row a restarted scheduler writes for an update it found applied has no staleness figures:
+    a gap, said to be unlogged, not "no token trained" (it trained)."""
+    run = run_dir(tmp_path)
+    rows = _rows(run / "metrics.jsonl")
+    rows.append({"step": 2, "recovered_after_scheduler_restart": True})
+    _write(run / "metrics.jsonl", rows)
+    report.write_report(run)
+    said = _texts(drawn["staleness.png"])
+    assert "no staleness logged at step 2" in said and "no token trained" not in said
+
+
 def test_a_run_that_trained_nothing_says_so_in_its_pictures(tmp_path: Path, drawn: dict[str, Any]) -> None:
     skipped = {"hist": {}, "max": 0, "mean": 0.0, "tokens": 0}
     rows = [{"step": s, "reward_mean": None, "staleness": skipped, "reward_by_task": {}} for s in range(3)]

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 from pydantic import ValidationError
@@ -81,14 +82,6 @@ BAD_TASKS = [  # each was accepted (and failed or misbehaved later) or raised a 
     (_task(evaluator={"score": "json", "command": []}), "evaluator.command must be a non-empty list"),
     (_task(evaluator={"score": "json", "command": [""]}), "item 0 '' is empty"),
     (
-        _task(evaluator={"score": "exit-code", "command": ["no-such-judge"]}),
-        "'no-such-judge' names no program on PATH",
-    ),
-    (
-        _task(evaluator={"score": "exit-code", "command": ["/no/such/judge"]}),
-        "'/no/such/judge' is not an executable",
-    ),
-    (
         _task(evaluator={"score": "json", "command": ["judges/check.sh"]}),
         "is a relative path, which would be read from",
     ),
@@ -137,7 +130,7 @@ def test_a_bad_task_is_refused_naming_the_line_the_task_and_the_key(
     [
         ("t.jsonl", '{"id": "a", "prompt": "one", "prompt": "two"}\n', "t.jsonl:1: key 'prompt' is given twice"),
         ("t.yaml", "- id: a\n  prompt: one\n  prompt: two\n", "key 'prompt' is given twice in one mapping"),
-        ("t.yaml", "tasks: []\ndefaults: {time_limit_s: 3}\n", "a mapping at the top must hold only 'tasks'"),
+        ("t.yaml", "task: []\ndefaults: {time_limit_s: 3}\n", "a mapping at the top must hold 'tasks'"),
         ("t.yaml", "- {id: 2024, prompt: p}\n", "t.yaml: task 0: id must be a non-empty string (got int 2024"),
         ("t.jsonl", '{"id": "a"}\n', "t.jsonl: not UTF-8 text"),
         ("t.yaml", "- {id: a, prompt: x, hidden: hidden}\n- {id: a, prompt: y, hidden: hidden}\n",
@@ -307,3 +300,98 @@ def test_gyre_ray_config_names_the_ignored_agents_command(capsys: pytest.Capture
     code, _, err = run_cli(capsys, "config", f"agents.command=[{sys.executable}, agent.py]")
     assert code == 2 and "Traceback" not in err
     assert "agents.command is used only by agents.harness=command (harness is 'toy')" in err
+
+
+def test_yaml_anchors_and_merge_keys_serve_tasks(folder: Path) -> None:
+    """A `defaults: &d` block beside `tasks:` and `<<: *d` in each task (a key of the task's own
+    overrides the merged one; a key given twice in one task is still refused)."""
+    text = (
+        "defaults: &d {prompt: shared, hidden: hidden, time_limit_s: 30}\n"
+        "tasks:\n  - {<<: *d, id: a}\n  - {<<: *d, id: b, time_limit_s: 60}\n"
+    )
+    a, b = load_task_file(_write(folder / "t.yaml", text))
+    assert (a.task_id, a.prompt, a.time_limit_s) == ("a", "shared", 30)
+    assert (b.task_id, b.time_limit_s) == ("b", 60)
+    twice = _write(folder / "u.yaml", "defaults: &d {prompt: p}\ntasks:\n  - {<<: *d, id: a, id: b}\n")
+    assert "key 'id' is given twice in one mapping" in _refused(twice)
+
+
+def test_a_local_git_seed_keeps_its_history_and_no_hidden_tests_in_it(exec_tmp: Path) -> None:
+    """A local clone is a full copy (git ignores --depth there: `git log` works in the workspace), so
+    hidden tests anywhere in the repository's history are refused, not only at its tip."""
+    repo = _repo(exec_tmp / "tasks/repo", {"data.txt": "one\n"})
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-C", str(repo)]
+    _write(repo / "data.txt", "two\n")
+    subprocess.run([*git, "commit", "-qam", "second"], check=True)
+    ws = exec_tmp / "clone"
+    Task("g", "p", lambda w: None, git=str(repo)).seed_workspace(ws)
+    log = subprocess.run(
+        ["git", "-C", str(ws), "log", "--format=%s"], capture_output=True, text=True, check=True
+    )
+    assert log.stdout.split() == ["second", "seed"]
+    _write(repo / "hidden/test_a.py", "def test_a():\n    pass\n")
+    subprocess.run([*git, "add", "hidden"], check=True)
+    subprocess.run([*git, "commit", "-qm", "tests"], check=True)
+    subprocess.run([*git, "rm", "-rq", "hidden"], check=True)
+    subprocess.run([*git, "commit", "-qm", "tests gone"], check=True)
+    _write(repo / "hidden/test_a.py", "def test_a():\n    pass\n")  # on disk, untracked, at the tip
+    tasks = [
+        {"id": "a", "prompt": "p", "hidden": "repo/hidden"},
+        {"id": "b", "prompt": "p", "git": "repo", "evaluator": OK},
+    ]
+    path = _write(exec_tmp / "tasks/tasks.jsonl", "\n".join(json.dumps(t) for t in tasks))
+    assert "tracks the hidden tests of task 'a' (hidden) in its history" in _refused(path)
+
+
+def test_file_urls_and_huge_numbers_are_read_as_written(folder: Path) -> None:
+    repo = _repo(folder / "my repo", {"a.txt": "x\n"})
+    for url in (f"file://{quote(str(repo))}", f"file://localhost{quote(str(repo))}"):
+        (task,) = load_task_file(_write(folder / "t.jsonl", json.dumps(_task(git=url))))
+        assert task.git == str(repo)
+    bad = _write(folder / "u.jsonl", json.dumps(_task(git="file://otherhost/srv/repo")))
+    assert "names another host" in _refused(bad)
+    huge = _write(
+        folder / "v.jsonl",
+        '{"id": "t", "prompt": "p", "hidden": "hidden", "time_limit_s": 1' + "0" * 400 + "}",
+    )
+    assert "time_limit_s must be a positive number of seconds" in _refused(huge)
+
+
+def test_a_link_in_the_workspace_makes_the_job_open_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluator named `{workspace}/check.sh` that the agent replaced by a link to a job-owned
+    program: the job grants the execution's group nothing on the link's target."""
+    from gyre_ray.agents import sandbox
+
+    workspace, secret = tmp_path / "ws", tmp_path / "secret/bin/tool"
+    _write(secret, "#!/bin/sh\n").chmod(0o755)
+    workspace.mkdir()
+    (workspace / "check.sh").symlink_to(secret)
+    granted: list[Path] = []
+    monkeypatch.setattr(sandbox, "grant_traverse", lambda path, gid: granted.append(Path(path)))
+    identity = sandbox.Identity(uid=12345, gid=12345, name="x", dedicated=True, folders=[workspace])
+    sandbox.grant_runtime(identity, [str(workspace / "check.sh")])
+    assert granted and not any(secret.parent in p.parents or p == secret for p in granted)
+    granted.clear()
+    sandbox.grant_runtime(identity, ["sh"])  # a program outside its folders is still opened to it
+    assert any(p.name == "sh" or "sh" in p.name for p in granted)
+
+
+def test_a_judge_installed_only_where_executions_run_loads(folder: Path) -> None:
+    """On a cluster the driver that loads the file may lack a judge the workers have: only its form is
+    checked at load; whether it starts is asked before each try (an invalid try where it cannot)."""
+    for program in ("no-such-judge", "/no/such/judge"):
+        task = _task(evaluator={"score": "exit-code", "command": [program, "{workspace}"]})
+        (loaded,) = load_task_file(_write(folder / "t.jsonl", json.dumps(task)))
+        assert loaded.evaluate.command[0] == program
+
+
+def test_a_workspace_program_the_agent_removed_scores_what_it_gives(exec_tmp: Path) -> None:
+    """An evaluator that runs `{workspace}/run_tests.sh`: the agent deleting it is the agent's result
+    (exit-code 0.0), not a try without a score (which would drop the execution)."""
+    task = {"id": "w", "prompt": "p", "files": {"run_tests.sh": "#!/bin/sh\nexit 0\n"},
+            "evaluator": {"score": "exit-code", "command": ["{workspace}/run_tests.sh"]}}  # fmt: skip
+    (loaded,) = load_task_file(_write(exec_tmp / "tasks/w.jsonl", json.dumps(task)))
+    out = _run(loaded, exec_tmp, "import os\nos.remove('run_tests.sh')\n", timeout_s=30)
+    assert out.valid and out.reward == 0.0, out

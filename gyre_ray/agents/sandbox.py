@@ -163,8 +163,13 @@ def grant_runtime(identity: Identity, command: list[str]) -> None:
         return
     needed = [Path(sys.executable).resolve(), Path(sys.base_prefix) / "lib", Path(sys.prefix) / "lib"]
     found = shutil.which(command[0]) if command else None
-    if found and not any(Path(found).resolve().is_relative_to(f.resolve()) for f in identity.folders):
-        needed.append(Path(found).resolve())
+    # decided on the path as named, links not followed: a program in the execution's own folders it
+    # reaches already, and a link it put there must not make the job open what the link points at
+    named = Path(os.path.abspath(found)) if found else None
+    if named and not any(
+        named.is_relative_to(g) for f in identity.folders for g in (Path(os.path.abspath(f)), f.resolve())
+    ):
+        needed.append(named.resolve())
     for path in needed:
         grant_traverse(path / "x" if path.is_dir() else path, identity.gid)
 

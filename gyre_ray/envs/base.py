@@ -54,15 +54,16 @@ class Task:
     def seed_workspace(self, workspace: Path) -> None:
         """Write the task's seed files into a fresh workspace folder.
 
-        A local repository is cloned with `--no-local`: git's local clone hard-links the source's
-        object files, so handing the workspace to the execution's uid would give it the source
-        repository's (and every other workspace's) objects to rewrite."""
+        A clone never hard-links (`--no-hardlinks`): git's local clone hard-links the source's object
+        files, so handing the workspace to the execution's uid would give it the source repository's
+        (and every other workspace's) objects to rewrite. A local clone keeps its whole history (git
+        ignores `--depth` there); a URL's is one commit deep."""
         workspace.mkdir(parents=True, exist_ok=True)
         if self.git:
             import subprocess
 
             branch = ["--branch", self.git_rev] if self.git_rev else []
-            cmd = ["git", "clone", "--quiet", "--no-local", "--depth", "1", *branch, "--", self.git]
+            cmd = ["git", "clone", "--quiet", "--no-hardlinks", "--depth", "1", *branch, "--", self.git]
             done = subprocess.run(
                 [*cmd, str(workspace)], capture_output=True, text=True, timeout=600, check=False
             )

@@ -138,7 +138,11 @@ class CommandEvaluator:
                     path = os.path.join(dirpath, name)
                     os.chmod(path, 0o755 if os.stat(path).st_mode & 0o111 else 0o644)
         command = self._command(workspace, scratch)
-        unstartable = program_problem(command[0], search=True)  # checked here: its exit code is not a score
+        # a judge that cannot start gives no score (its exit code is none); a program in the workspace
+        # is the agent's to keep: missing or not executable, it runs and scores what it gives
+        unstartable = None
+        if not (self.command and self.command[0].startswith("{workspace}")):
+            unstartable = program_problem(command[0], search=True)
         if unstartable:
             return EvalResult(
                 0.0, valid=False, detail=f"evaluator cannot start: {command[0]!r} {unstartable}"

@@ -1,5 +1,5 @@
 """Task sets from files (`agents.task_set=PATH`): JSONL (one task per line) or YAML (a list, or a
-mapping with `tasks:` only). Relative paths are read from the task file's folder. Fields of a task:
+mapping with `tasks:`; other top-level keys are there for anchors and merge keys, and are ignored). Relative paths are read from the task file's folder. Fields of a task:
 
     id: slugify                    # required, unique; A-Za-z0-9_.- only, at most 96 characters
     prompt: "Build ..."            # or prompt_file: spec.md (one of the two; UTF-8, at most 120 KiB)
@@ -32,6 +32,7 @@ repeated within `agents.eval_budget_s`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import shutil
 import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import yaml
 
@@ -119,12 +121,16 @@ def _text(raw: dict, key: str, where: str) -> str | None:
 def _seconds(value: Any, key: str, where: str) -> float | None:
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    try:
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
+        )
+    except OverflowError:  # an integer too large for a float
+        ok = False
+    if not ok:
         raise TaskFileError(f"{where}: {key} must be a positive number of seconds, got {shown(value)}")
     return float(value)
 
@@ -206,7 +212,7 @@ def _evaluator(raw: dict, base: Path, where: str) -> CommandEvaluator:
         problem = template_problem(command, EVAL_PLACEHOLDERS)
         if problem:
             raise TaskFileError(f"{where}: evaluator.command {problem}")
-        unstartable = program_problem(command[0], search=True)
+        unstartable = program_problem(command[0], search=False)  # installed? asked where it runs
         if unstartable:
             raise TaskFileError(f"{where}: evaluator.command item 0 {command[0]!r} {unstartable}")
         if score == "pytest" and not any("{report}" in c or "{scratch}" in c for c in command):
@@ -257,7 +263,10 @@ def _git_source(raw: dict, base: Path, where: str) -> tuple[str | None, str | No
                 "nor hold a NUL character"
             )
     if git is not None and git.startswith("file://"):  # a local repository all the same: checked as one
-        git = git[len("file://") :]
+        url = urlparse(git)
+        if url.netloc not in ("", "localhost"):
+            raise TaskFileError(f"{where}: git {git!r} names another host; a file:// URL is a local path")
+        git = unquote(url.path)
     if git is None or GIT_URL.match(git):
         return git, rev
     return str(_path(base, git, f"{where}: git (a local repository)", "folder")), rev
@@ -332,13 +341,12 @@ def _check_seeds(tasks: list[Task], wheres: dict[str, str]) -> None:
         for owner, folder in hidden.items():
             if folder == repo or repo in folder.parents:
                 rel = os.path.relpath(folder, repo)
-                tracked = _git(
-                    ["-C", str(repo), "ls-tree", "-r", "--name-only", task.git_rev or "HEAD", "--", rel]
-                )
+                # a local clone takes every branch and tag with their history: any commit is enough
+                tracked = _git(["-C", str(repo), "log", "--all", "--format=%H", "-1", "--", rel])
                 if tracked.stdout.strip():
                     raise TaskFileError(
-                        f"{where}: git {repo} tracks the hidden tests of task {owner!r} ({rel}): "
-                        "the clone would put them in the workspace"
+                        f"{where}: git {repo} tracks the hidden tests of task {owner!r} ({rel}) in its "
+                        "history: the clone would put them in the workspace"
                     )
 
 
@@ -366,9 +374,9 @@ def _read_records(path: Path) -> list[tuple[Any, str]]:
     except yaml.YAMLError as exc:
         raise TaskFileError(f"{path.name}: not YAML: {exc}") from None
     if isinstance(data, dict):
-        if set(data) != {"tasks"}:
+        if "tasks" not in data:  # other keys may hold what anchors name (`defaults: &d {...}`)
             raise TaskFileError(
-                f"{path.name}: a mapping at the top must hold only 'tasks' (the list of tasks), "
+                f"{path.name}: a mapping at the top must hold 'tasks' (the list of tasks), "
                 f"got keys {sorted(map(str, data))}"
             )
         data = data["tasks"]
@@ -389,13 +397,25 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+_LOADED: dict[tuple[Path, str], list[Task]] = {}  # per process: every execution looks its task up
+
+
 def load_task_file(path: Path) -> list[Task]:
-    """The tasks of a .jsonl or .yaml/.yml task file (errors name the file, line or index)."""
+    """The tasks of a .jsonl or .yaml/.yml task file (errors name the file, line or index). Checked
+    once per process and content of the file (the checks run git and search PATH: every execution of
+    a run looks its task up here)."""
     path = Path(path).resolve()
     if not path.is_file():
         raise TaskFileError(
             f"task file {path} does not exist" if not path.exists() else f"{path} is not a file"
         )
+    key = (path, hashlib.sha256(path.read_bytes()).hexdigest())
+    if key not in _LOADED:
+        _LOADED[key] = _load_checked(path)
+    return list(_LOADED[key])
+
+
+def _load_checked(path: Path) -> list[Task]:
     raws = _read_records(path)
     tasks, wheres = [], {}
     for raw, where in raws:

@@ -408,13 +408,18 @@ def plot_staleness(steps: list[dict[str, Any]], path: Path) -> Path:
     ax.bar([x for x, _ in trained], [f.get("max", 0) for _, f in trained], color="#fde3c4", label="max")
     means = [_or_nan(f.get("mean", 0.0)) if f is not None else float("nan") for f in figures]
     ax.plot(xs, means, "o-", color="#e07b1a", label="mean")  # a gap at a step that trained nothing
-    untrained = [x for x, f in zip(xs, figures, strict=True) if f is None]
+    # a row without staleness figures (e.g. an update a restarted scheduler recovered) is a gap too,
+    # but not one that trained nothing: only `tokens: 0` says that
+    untrained = [m["step"] for m in steps if (m.get("staleness") or {}).get("tokens", 1) == 0]
+    unknown = [x for x, m, f in zip(xs, steps, figures, strict=True) if f is None and x not in untrained]
     if not steps:
         _say(ax, "no step logged yet (metrics.jsonl holds none)")
-    elif not trained:
+    elif not trained and not unknown:
         _say(ax, "no step trained a token (nothing scored: metrics.jsonl's skipped says why)")
-    elif untrained:
-        _say(ax, f"no token trained at step {_steps_named(untrained)}", corner=True)
+    elif untrained or unknown:
+        notes = [f"no token trained at step {_steps_named(untrained)}"] if untrained else []
+        notes += [f"no staleness logged at step {_steps_named(unknown)}"] if unknown else []
+        _say(ax, "; ".join(notes), corner=True)
     top = max((f.get("max", 0) for _, f in trained), default=0)
     ax.set(xlabel="step", ylabel="versions behind", title="Staleness of trained tokens")
     ax.set_ylim(-0.03 * max(1, top), max(1, top) * 1.15)  # a lag is never negative: no tick below 0
