@@ -85,6 +85,10 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path: Path) -> None:
     config.write_text("run:\n  steps: 2\n  steps: 3\n")
     with pytest.raises(ConfigError, match="key 'steps' is given twice"):
         load_config(config)
+    # a merge key's keys may be overridden by the mapping's own: that is no key given twice
+    config.write_text("trainer: {<<: {lr: 0.5, grad_clip: 3.0}, grad_clip: 2.0}\n")
+    loaded = load_config(config)
+    assert (loaded.trainer.lr, loaded.trainer.grad_clip) == (0.5, 2.0)
 
 
 def test_bad_yaml_file_is_reported(tmp_path: Path) -> None:
