@@ -74,12 +74,12 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
     recovered = lost_step_rows(run_dir, first_step, kept)
     kept_trace = earlier_trace(run_dir, first_step)
     set_aside_rows = 0
-    for name in ("metrics.jsonl", "trace.jsonl", EVAL_FILE):  # their rows of later steps: moved aside
-        rows = [
-            r
-            for r in _read_jsonl(run_dir / name)
-            if (r not in kept_eval if name == EVAL_FILE else r["step"] >= first_step)
-        ]
+    for name, last_kept in (
+        ("metrics.jsonl", first_step - 1),
+        ("trace.jsonl", first_step - 1),
+        (EVAL_FILE, first_step),
+    ):
+        rows = [r for r in _read_jsonl(run_dir / name) if r["step"] > last_kept]  # moved aside
         if rows:
             aside.mkdir(parents=True, exist_ok=True)
             _write_jsonl(aside / name, rows)

@@ -350,12 +350,12 @@ def _check_seeds(tasks: list[Task], wheres: dict[str, str]) -> None:
                     )
 
 
-def _read_records(path: Path) -> list[tuple[Any, str]]:
-    """The raw tasks of the file, each with where it is (`name:line` or `name: task i`)."""
+def _read_records(path: Path, data: bytes) -> list[tuple[Any, str]]:
+    """The raw tasks of the file (its bytes `data`), each with where it is (`name:line` or `name: task i`)."""
     from gyre_ray.config import _UniqueKeyLoader  # the config's YAML loader: a repeated key is an error
 
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise TaskFileError(f"{path.name}: not UTF-8 text") from None
     if path.suffix == ".jsonl":
@@ -409,14 +409,15 @@ def load_task_file(path: Path) -> list[Task]:
         raise TaskFileError(
             f"task file {path} does not exist" if not path.exists() else f"{path} is not a file"
         )
-    key = (path, hashlib.sha256(path.read_bytes()).hexdigest())
+    data = path.read_bytes()
+    key = (path, hashlib.sha256(data).hexdigest())
     if key not in _LOADED:
-        _LOADED[key] = _load_checked(path)
+        _LOADED[key] = _load_checked(path, data)
     return list(_LOADED[key])
 
 
-def _load_checked(path: Path) -> list[Task]:
-    raws = _read_records(path)
+def _load_checked(path: Path, data: bytes) -> list[Task]:
+    raws = _read_records(path, data)
     tasks, wheres = [], {}
     for raw, where in raws:
         task = parse_task(raw, path.parent, where)

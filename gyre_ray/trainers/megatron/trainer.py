@@ -88,6 +88,7 @@ class MegatronTrainer(Trainer):
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.cp_group = parallel_state.get_context_parallel_group()
+        self.local_heads = args.num_attention_heads // self.tp_size  # this rank's query heads
         self.spec = build.resolve_spec(section.megatron_spec)
         dtype = next(iter(hf_state.values())).dtype
         if dtype not in build.DTYPES.values():
@@ -97,6 +98,9 @@ class MegatronTrainer(Trainer):
         self.attention = section.megatron_attention
         self.model = build.build_gpt_model(args, self.spec, dtype, self.attention)
         self.params = dict(self.model.named_parameters())
+        # in parameter order: every rank must issue the same collectives in the same order
+        qk = ("q_layernorm.weight", "k_layernorm.weight")
+        self.qk_norms = [n for n in self.params if n.endswith(qk)] if self.tp_size > 1 else []
         self._hf_shapes = {k: tuple(v.shape) for k, v in self._untied(hf_state).items()}
         self._load_hf(hf_state)
         self.optimizer = torch.optim.AdamW(
@@ -139,8 +143,7 @@ class MegatronTrainer(Trainer):
             share = share_of(batch, self.cp_size, self.cp_rank)
         except ValueError as exc:
             raise MegatronInputError(str(exc)) from None
-        heads = self.args.num_attention_heads // self.tp_size
-        plan = plan_tree(share.layout, heads, self.device, queries=(share.lo, share.hi))
+        plan = plan_tree(share.layout, self.local_heads, self.device, queries=(share.lo, share.hi))
         columns = slice(share.lo, share.hi)
         logits = self._logits(share.input_ids[:, columns], share.position_ids[:, columns], plan)
         return share_logprobs(logits, share, self.cp_group)
@@ -149,9 +152,8 @@ class MegatronTrainer(Trainer):
         """What the decoder passes each layer's core attention: the micro-batch's attention plan
         (`tree_core.py`), or for `dense` the explicit [B, 1, T, T] mask (Megatron: True = masked out)."""
         if self.attention == "tree":
-            heads = self.args.num_attention_heads // self.tp_size
             rows, length = batch.input_ids.shape
-            return plan_micro_batch(batch.attention_mask, rows, length, heads, self.device)
+            return plan_micro_batch(batch.attention_mask, rows, length, self.local_heads, self.device)
         return ~dense_attention_mask(batch)[:, None]
 
     def _rotary(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -178,20 +180,14 @@ class MegatronTrainer(Trainer):
 
     # q/k norms are replicated but each rank's backward sees only its own heads: sum over the TP group.
     # Under context parallelism every parameter saw only this rank's columns: sum over the CP group.
-    # (lists in parameter order: every rank must issue the same collectives in the same order)
-    def _qk_norm_names(self) -> list[str]:
-        if self.tp_size == 1:
-            return []
-        return [n for n in self.params if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
-
     def _take_partial_grads(self) -> dict[str, torch.Tensor | None]:
         held = {}
-        for name in self.params if self.cp_size > 1 else self._qk_norm_names():
+        for name in self.params if self.cp_size > 1 else self.qk_norms:
             held[name], self.params[name].grad = self.params[name].grad, None
         return held
 
     def _reduce_partial_grads(self, held: dict[str, torch.Tensor | None]) -> None:
-        qk_norms = set(self._qk_norm_names())
+        qk_norms = set(self.qk_norms)
         fresh = []
         for name in held:
             param = self.params[name]

@@ -68,6 +68,9 @@ class TreeCoreAttention(torch.nn.Module):
                 "needs trainer.megatron_attention=dense"
             )
         self.layer_number = layer_number
+        from megatron.core import parallel_state  # its groups exist before the model is built
+
+        self.cp_group = parallel_state.get_context_parallel_group()
 
     def forward(
         self,
@@ -87,10 +90,8 @@ class TreeCoreAttention(torch.nn.Module):
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("tree core attention takes neither an attention bias nor packed-sequence params")
         if isinstance(attention_mask, TreePlan) and key.size(0) != attention_mask.keys_expected:
-            from megatron.core import parallel_state  # context parallel: this rank holds a share of k, v
-
-            group = parallel_state.get_context_parallel_group()
-            key, value = gather_columns(key, group), gather_columns(value, group)
+            # context parallel: this rank holds a share of k, v; one gather brings every rank's
+            key, value = gather_columns(torch.cat((key, value), dim=-1), self.cp_group).chunk(2, dim=-1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if isinstance(attention_mask, TreePlan):
             out = tree_attention(q, k, v, attention_mask)
