@@ -123,7 +123,7 @@ def problem(checkpoint: str | Path) -> str | None:
     holds a parseable model config.json, model.safetensors (or an index and its shards) whose headers
     read and cover the file, and a non-empty, whole trainer_state*.pt (a torch zip archive). Reads
     headers only, no tensors (no Ray)."""
-    from gyre_ray.trajectory.records import is_int
+    from gyre_ray.json_values import is_int
 
     checkpoint = Path(checkpoint)
     try:
@@ -181,6 +181,22 @@ def load_state(checkpoint: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint: no {STATE_FILE}")
     return json.loads(path.read_text())
+
+
+def newest_good(run_dir: str | Path, warn: Callable[[str], Any] | None = None) -> tuple[Path, int]:
+    """The run's newest checkpoint whose files read, and its step, as `train --resume` picks it
+    (`require_good`: a newer damaged one is skipped with a line to `warn`); CheckpointError when none
+    loads (`eval --run`, `generate --run`)."""
+    from gyre_ray.json_values import is_int
+
+    saved = require_good(run_dir, warn)
+    try:
+        step = load_state(saved).get("step")
+    except (OSError, ValueError, AttributeError) as exc:  # changed since require_good read it
+        raise CheckpointError(f"{saved}: its state.json does not read ({type(exc).__name__})") from None
+    if not is_int(step) or step < 0:
+        raise CheckpointError(f"{saved}: its state.json step {json.dumps(step)} is not a step number")
+    return saved, step
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.config import GyreConfig, load_config
-from gyre_ray.proxy.store_files import json_object
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _eval_command(args: argparse.Namespace) -> int:
-    from gyre_ray.checkpoint import CheckpointError, trainer_dir
+    from gyre_ray.checkpoint import CheckpointError, newest_good, trainer_dir
+    from gyre_ray.cli_inputs import given_setting, refuse_model_path_clash, run_folder_hint, warn_on_stderr
     from gyre_ray.config import ConfigError
     from gyre_ray.model.checkpoint import check_hf_folder
     from gyre_ray.train import resume_config, runs_root
@@ -59,12 +59,11 @@ def _eval_command(args: argparse.Namespace) -> int:
     given = f"--run {args.run}" if args.run else f"--model-dir {args.model_dir}"
     if args.run and args.config:
         raise ConfigError("--run uses the run folder's config.json; give overrides, not --config")
-    if clash := given_setting("model", "path", args.overrides, args.config):
-        raise ConfigError(f"{given} names the model; drop {clash} (give one of them, not both)")
+    refuse_model_path_clash(given, args.overrides, args.config)
     if args.run:
         cfg = resume_config(args.run, overrides)
         try:
-            saved, step = newest_good_checkpoint(args.run)
+            saved, step = newest_good(args.run, warn=warn_on_stderr)
         except CheckpointError as exc:
             raise ConfigError(f"cannot evaluate {args.run}: {exc}") from None
         model_dir = trainer_dir(saved)
@@ -98,75 +97,6 @@ def _eval_command(args: argparse.Namespace) -> int:
 
     print(f"gyre-ray eval: {format_eval(row)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
-
-
-def given_setting(
-    section: str, key: str, overrides: list[str], config_file: str | Path | None = None
-) -> str | None:
-    """Where the command line itself sets `section.key`: the first override that does (`section.key=X`
-    or `section={key: X}`), quoted, else `section.key in FILE` when the `--config` file sets it (to
-    anything but null, even its default); None when neither does. A command whose --run / --model-dir
-    names the model refuses a `model.path` given so rather than drop one of the two."""
-    from gyre_ray.config import parse_override, read_config_file
-
-    for text in overrides:
-        parts, value = parse_override(text)
-        if parts == [section, key] or (parts == [section] and isinstance(value, dict) and key in value):
-            return repr(text)
-    table = read_config_file(config_file).get(section) if config_file is not None else None
-    if isinstance(table, dict) and table.get(key) is not None:
-        return f"{section}.{key} in {config_file}"
-    return None
-
-
-RUN_FOLDER_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json")
-
-
-def run_folder_hint(folder: Path, offer_run: bool = True) -> str | None:
-    """When `folder` is a run folder given for an HF model folder (its config.json is the run's
-    config): a message starting with the folder, saying what to give instead (`offer_run`: the
-    command takes `--run` too); else None."""
-    from gyre_ray.checkpoint import CHECKPOINTS, TRAINER_DIR, latest, trainer_dir
-
-    config = json_object(folder / "config.json", {}) if folder.is_dir() else None
-    if config is None or "vocab_size" in config or "model_type" in config:  # none, or an HF model's
-        return None
-    run_files = (folder / CHECKPOINTS).is_dir() or any((folder / n).is_file() for n in RUN_FOLDER_FILES)
-    run_config = isinstance(config.get("run"), dict) and isinstance(config.get("model"), dict)
-    if not run_files and not run_config:
-        return None
-    newest = latest(folder)
-    if newest is None:
-        return (
-            f"{folder} is a run folder, not an HF model folder, and holds no complete checkpoint yet "
-            f"(a checkpoint's model folder is {folder / CHECKPOINTS}/step-N/{TRAINER_DIR})"
-        )
-    if not offer_run:
-        return (
-            f"{folder} is a run folder, not an HF model folder: give a checkpoint's model folder "
-            f"(e.g. {trainer_dir(newest)})"
-        )
-    return (
-        f"{folder} is a run folder, not an HF model folder: give --run {folder} (its newest checkpoint) "
-        f"or a checkpoint's model folder, e.g. {trainer_dir(newest)}"
-    )
-
-
-def newest_good_checkpoint(run_dir: str | Path) -> tuple[Path, int]:
-    """The run's newest checkpoint whose files read, and its step, as `train --resume` picks it
-    (`gyre_ray.checkpoint.require_good`): a newer damaged one is skipped with a warning line on stderr
-    (stdout may be `--json -`); CheckpointError when none loads."""
-    from gyre_ray.checkpoint import CheckpointError, load_state, require_good
-    from gyre_ray.trajectory.records import is_int
-
-    saved = require_good(run_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
-    try:
-        step = load_state(saved).get("step")
-    except (OSError, ValueError, AttributeError) as exc:  # changed since require_good read it
-        raise CheckpointError(f"{saved}: its state.json does not read ({type(exc).__name__})") from None
-    if not is_int(step) or step < 0:
-        raise CheckpointError(f"{saved}: its state.json step {json.dumps(step)} is not a step number")
-    return saved, step
 
 
 def _check_outputs(out: Path, json_path: str | None) -> None:

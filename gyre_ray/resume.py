@@ -71,7 +71,8 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
                 moved += 1
     metrics = run_dir / "metrics.jsonl"
     kept = [r for r in _read_jsonl(metrics) if r["step"] < first_step]
-    recovered = lost_step_rows(run_dir, first_step, kept)
+    journal = RunJournal.read(run_dir)  # the journal holds the last segment only
+    recovered = lost_step_rows(run_dir, first_step, kept, journal)
     kept_trace = earlier_trace(run_dir, first_step)
     set_aside_rows = 0
     for name, last_kept in (
@@ -84,7 +85,9 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
             aside.mkdir(parents=True, exist_ok=True)
             _write_jsonl(aside / name, rows)
             set_aside_rows += len(rows)
-    recovered_trace = lost_trace_rows(run_dir, first_step, kept_trace)  # reads metrics.jsonl as it was
+    recovered_trace = lost_trace_rows(
+        run_dir, first_step, kept_trace, journal
+    )  # reads metrics.jsonl as it was
     if (run_dir / "trace.jsonl").is_file() or recovered_trace:  # (a later attempt's ids are the same)
         _write_jsonl(run_dir / "trace.jsonl", sorted(kept_trace + recovered_trace, key=lambda r: r["start"]))
     if metrics.is_file() or recovered:
@@ -104,15 +107,16 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
 
 
 def lost_step_rows(
-    run_dir: str | Path, first_step: int, logged: list[dict[str, Any]]
+    run_dir: str | Path, first_step: int, logged: list[dict[str, Any]], state: JournalState | None = None
 ) -> list[dict[str, Any]]:
     """The metrics rows of steps < `first_step` that were published but are not in `logged` (the
     driver died before it polled them): from the last segment's scheduler journal (`published`
     events), else from a checkpoint's `state.json` (`metrics`, the row of the step it ends). Their
-    times are moved onto the run's clock as the driver would have; each step comes back once."""
+    times are moved onto the run's clock as the driver would have; each step comes back once. `state`:
+    the run's journal when the caller read it already."""
     run_dir = Path(run_dir)
     have = {int(r["step"]) for r in logged}
-    state = RunJournal.read(run_dir)  # the journal holds the last segment only
+    state = state if state is not None else RunJournal.read(run_dir)
     header = state.header if state is not None else {}
     found = _journaled_steps(state)
     journaled = dict(found)
@@ -129,16 +133,16 @@ def lost_step_rows(
 
 
 def lost_trace_rows(
-    run_dir: str | Path, first_step: int, kept_rows: list[dict[str, Any]]
+    run_dir: str | Path, first_step: int, kept_rows: list[dict[str, Any]], state: JournalState | None = None
 ) -> list[dict[str, Any]]:
     """The trace.jsonl rows (`recorder.trace_row`) of the journaled segment's executions of steps <
     `first_step` that it published, which `kept_rows` (trace.jsonl's rows) lacks by `exec_id`: the
     segment was killed before it wrote its trace. Built from the journal's launches, ends and group
     figures as the recorder builds them (an execution with no end ends at the segment's last publish)
     and moved onto the run's clock as `lost_step_rows` moves metrics. A journal written before
-    launches carried their trace facts gives none."""
+    launches carried their trace facts gives none. `state`: as for `lost_step_rows`."""
     run_dir = Path(run_dir)
-    state = RunJournal.read(run_dir)
+    state = state if state is not None else RunJournal.read(run_dir)
     if state is None:
         return []
     have = {r.get("exec_id") for r in kept_rows}
@@ -153,12 +157,7 @@ def lost_trace_rows(
     if not lost:
         return []
     journaled = _journaled_steps(state)
-    times = [
-        float(m["published_at_s"])
-        for m in journaled.values()
-        if isinstance(m.get("published_at_s"), (int, float))
-    ]
-    last_publish = max(times, default=0.0)  # where the recorder ends an execution that never ended
+    last_publish = state.last_publish_s  # where the recorder ends an execution that never ended
     offset = _journal_offset(
         run_dir, int(state.header.get("first_step", 0)), journaled, earlier_steps(run_dir, first_step)
     )

@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.checkpoint import complete_checkpoints, load_state
+from gyre_ray.json_values import is_int, is_number, short
 from gyre_ray.live_run import LIVE_FILE, driver_state
 from gyre_ray.observability.metrics import trend_window
-from gyre_ray.observability.report import is_number, short
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.train import FAILED_FILE, NOTHING_SCORED
-from gyre_ray.trajectory.records import is_int
 
 FIRST_LAST = 3  # steps averaged at each end of the reward
 

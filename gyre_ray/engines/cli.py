@@ -41,28 +41,26 @@ def _fail(message: str) -> int:
 def _policy_overrides(args: argparse.Namespace) -> list[str]:
     """`model.path` for --run (its newest good checkpoint's trainer folder, as `eval --run` takes it: a
     damaged newer one is skipped with a warning on stderr) or --model-dir."""
-    from gyre_ray.checkpoint import CheckpointError, trainer_dir
+    from gyre_ray.checkpoint import CheckpointError, newest_good, trainer_dir
+    from gyre_ray.cli_inputs import refuse_model_path_clash, warn_on_stderr
     from gyre_ray.config import ConfigError
-    from gyre_ray.eval_cli import given_setting, newest_good_checkpoint
 
     if args.run and args.model_dir:
         raise ConfigError("give --run or --model-dir, not both")
     given = f"--run {args.run}" if args.run else f"--model-dir {args.model_dir}"
-    if (args.run or args.model_dir) and (
-        clash := given_setting("model", "path", args.overrides, args.config)
-    ):
-        raise ConfigError(f"{given} names the model; drop {clash} (give one of them, not both)")
+    if args.run or args.model_dir:
+        refuse_model_path_clash(given, args.overrides, args.config)
     if args.run:
         try:
-            return [f"model.path={trainer_dir(newest_good_checkpoint(args.run)[0])}"]
+            return [f"model.path={trainer_dir(newest_good(args.run, warn=warn_on_stderr)[0])}"]
         except CheckpointError as exc:
             raise ConfigError(f"--run {args.run}: {exc}") from None
     return [f"model.path={args.model_dir}"] if args.model_dir else []
 
 
 def _generate_command(args: argparse.Namespace) -> int:
+    from gyre_ray.cli_inputs import run_folder_hint
     from gyre_ray.config import load_config
-    from gyre_ray.eval_cli import run_folder_hint
 
     config = load_config(args.config, list(args.overrides) + _policy_overrides(args))
     if config.model.path and (hint := run_folder_hint(Path(config.model.path))):

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gyre_ray.trajectory.records import is_int
+from gyre_ray.json_values import is_int
 
 SWITCH_COLUMNS = (
     "cell", "direction", "at_s", "seconds", "batch", "executions_running", "executions_rehosted",

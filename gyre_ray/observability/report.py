@@ -35,9 +35,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.json_values import is_int, is_number, short
 from gyre_ray.proxy.store_files import json_object
 from gyre_ray.train import FAILED_FILE
-from gyre_ray.trajectory.records import is_int
 
 KIND_COLORS = {"rollout": "#2f6db5", "training": "#e07b1a", "switching": "#9e9e9e"}
 TABLE_KEYS = ("step", "reward_mean", "valid", "executions", "calls", "loss", "grad_norm", "step_seconds")
@@ -49,19 +49,6 @@ class ReportError(ValueError):
 
 def _or_nan(value: float | None) -> float:
     return float("nan") if value is None else float(value)
-
-
-def is_number(value: Any) -> bool:
-    """A finite JSON number (not a bool; NaN and infinity, which Python's json reads, are no figure)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return isinstance(value, int) or math.isfinite(value)
-
-
-def short(value: Any) -> str:
-    """`value` as JSON, cut to 40 characters (a value from a run file, in a message)."""
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 _KINDS = {

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.json_values import is_number
 from gyre_ray.proxy.store_files import json_lines
 
 JOURNAL_NAME = "scheduler-journal.jsonl"
@@ -49,6 +50,14 @@ class JournalState:
     launches: dict[int, dict[str, Any]] = field(default_factory=dict)
     ended_at: dict[int, float] = field(default_factory=dict)
     clock_wall: float | None = None  # time.time() at the run clock's 0 (a restarted actor goes on with it)
+
+    @property
+    def last_publish_s(self) -> float:
+        """When the journaled segment last published an update, on its clock (0.0 before any)."""
+        times = [
+            row["metrics"].get("published_at_s") for row in self.published if isinstance(row["metrics"], dict)
+        ]
+        return max([float(t) for t in times if is_number(t)], default=0.0)
 
 
 class RunJournal:

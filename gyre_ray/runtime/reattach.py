@@ -69,8 +69,7 @@ class SchedulerReattach:
             self.t0 = time.monotonic() - max(0.0, time.time() - state.clock_wall)
         else:
             self.journal.clock(time.time() - (time.monotonic() - self.t0))
-        published = [row["metrics"].get("published_at_s") for row in state.published]
-        self.recorder.last_publish = max([p for p in published if isinstance(p, (int, float))], default=0.0)
+        self.recorder.last_publish = state.last_publish_s
 
     def _reattach(self, state: JournalState) -> None:
         """Rebuild the run from `state`, the cells, `workers` and the store (module docstring)."""

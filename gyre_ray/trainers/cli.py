@@ -55,7 +55,7 @@ def _logprobs_command(args: argparse.Namespace) -> int:
         token_ids = None if args.tokens is None else _parse_tokens(args.tokens)
     except ValueError as exc:
         return _fail(str(exc))
-    from gyre_ray.eval_cli import run_folder_hint
+    from gyre_ray.cli_inputs import run_folder_hint
     from gyre_ray.model.checkpoint import load_hf
 
     hint = run_folder_hint(Path(args.model_dir), offer_run=False)  # logprobs takes no --run

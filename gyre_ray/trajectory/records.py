@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.json_values import is_int
 from gyre_ray.trajectory.record_chunks import ChunkError, ChunkReader, chunked_lines
 
 ROLES = ("main", "main-summary", "sub-agent", "sub-agent-summary", "unknown")
@@ -56,11 +57,6 @@ LOGPROB_TOLERANCE = 1e-4
 
 class RecordError(ValueError):
     """A call record that cannot be trusted; the message names the record and the offending field."""
-
-
-def is_int(value: Any) -> bool:
-    """An `int` that is not a bool (JSON integers)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _INT_TYPES = frozenset((int,))
