@@ -22,7 +22,6 @@ cell restarted with the current weights).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.recovery import CellRecovery
 from gyre_ray.runtime.run_keeper import RunKeeper, run_key
 from gyre_ray.runtime.stream import MicroBatchStream
+from gyre_ray.runtime.updates import UpdateStages
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
 from gyre_ray.runtime.workers import WORKERS_NAME
 from gyre_ray.scheduling.config import SchedulerSection
@@ -53,14 +53,13 @@ from gyre_ray.scheduling.runtime import (
     Costs,
     ExecutionLedger,
     build_state,
-    fit_ended_durations,
     migrate_executions,
     policy_from_section,
 )
 from gyre_ray.scheduling.state import Launch, Role, SwitchToRollout, SwitchToTrain
 
 
-class RunScheduler(CellRecovery, SchedulerReattach):
+class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
     """The run loop (plain class; `SchedulerActor` hosts it as a Ray actor).
 
     `pool`: the runtime's `CellPool`, with which a dead cell is restarted (None: the run goes on without it).
@@ -521,128 +520,6 @@ class RunScheduler(CellRecovery, SchedulerReattach):
         self.recorder.phase(step.cell, view, CellPhase.TRAIN_IDLE, now)
         if view.return_requested:
             self._start_return(step.cell)
-
-    # ---- the update -----------------------------------------------------------------------------
-    def _maybe_update(self) -> None:
-        if self.update is not None or self.updates >= self.steps:
-            return
-        batch = self.updates
-        stream = self.streams[batch]
-        if not stream.complete or any(m.batch == batch for m in self.micro.values()):
-            return
-        now = self._now()
-        update = Update(batch, "grads", now, stage_since=now)
-        for i, view in enumerate(self.views):
-            if not view.is_core and self.has_grads[i] and view.phase is CellPhase.TRAIN_IDLE:
-                update.refs.add(self._export(i))
-                self.has_grads[i] = False
-        update.refs |= self.imports
-        self.imports = set()
-        self.update = update
-        if not update.refs:
-            self._next_stage()
-
-    def _update_progress(self, ref: Any) -> None:
-        update = self.update
-        result = ray.get(ref)
-        update.refs.discard(ref)
-        self._merged(ref)
-        self.ref_cell.pop(ref, None)
-        if update.stage == "step":
-            update.metrics = result
-        if not update.refs:
-            self._next_stage()
-
-    def _next_stage(self) -> None:
-        update = self.update
-        now = self._now()
-        update.times[update.stage] = now - update.stage_since
-        update.stage_since = now
-        core = self.actors[self.core]
-        if update.stage == "grads":
-            update.stage = "step"
-            stream = self.streams[update.batch]
-            if stream.items:
-                update.refs.add(core.optimizer_step.remote(stream.scale()))
-                return
-            update.metrics = {"skipped": "no executions with model-generated tokens"}
-            return self._next_stage()
-        if update.stage == "step":
-            update.stage = "publish"
-            update.version = int(update.metrics.get("version", self.trainer_version))
-            if update.version <= self.trainer_version:  # no new weights (a step with nothing to train)
-                update.weights = self.weights
-                return self._next_stage()
-            update.weights = core.publish_weights.remote()  # one ticket: every cell fetches it
-            for i, view in enumerate(self.views):
-                if view.phase is CellPhase.ROLLOUT:
-                    ref = self.actors[i].update_weights.remote(update.weights, update.version)
-                elif view.phase is CellPhase.TRAIN_IDLE and not view.is_core:
-                    ref = self.actors[i].load_trainer_weights.remote(update.weights, update.version)
-                else:
-                    continue
-                update.refs.add(ref)
-                self.ref_cell[ref] = i
-            if update.refs:
-                return
-            return self._next_stage()
-        # published: every serving engine and idle trainer holds the new version
-        self.weights, self.trainer_version = update.weights, update.version
-        for i, view in enumerate(self.views):
-            if view.phase is CellPhase.ROLLOUT:
-                self.engine_version[i] = update.version
-            elif view.phase is CellPhase.TRAIN_IDLE and not view.is_core:
-                self.sat_version[i] = update.version
-        self.update = None
-        self.updates += 1
-        metrics = self.recorder.step_done(self, update, now)
-        if self.cfg.scheduler.fits_duration_prior:
-            metrics["duration_model"] = self._refit_duration_prior()
-        if self.checkpoint_every and (
-            self.updates % self.checkpoint_every == 0 or self.updates == self.steps
-        ):
-            metrics["checkpoint_s"] = self._checkpoint(metrics)
-        self.step_metrics.append(metrics)
-        self.journal.published(update.batch, update.version, metrics)
-        self.live.step_done(metrics)
-        self.live.poll_engines(self)
-
-    def _refit_duration_prior(self) -> dict[str, Any]:
-        """`elastic_duration_prior: auto`: fit the run's ended executions, and the sibling order uses the fit
-        from the next decision on; the step's metrics get the model (or why none was fitted yet)."""
-        try:
-            fit = fit_ended_durations(self.ledger)
-        except ValueError as exc:
-            return {"error": str(exc)}
-        self.policy = policy_from_section(self.cfg.scheduler, len(self.views), fit.prior())
-        return fit.summary()
-
-    def _checkpoint(self, metrics: dict[str, Any]) -> float:
-        """Write the run's checkpoint now, right after an update is published (the core is idle then);
-        returns the seconds it took (the loop waits; the cells keep generating). `state.json` keeps
-        the step's `metrics` row too: a driver killed before it polled the row loses it nowhere
-        (`gyre_ray.resume.lost_step_rows` puts it back into metrics.jsonl on resume).
-        With eta = 0 nothing of the next step has started, so a resume replays the run exactly; with
-        eta > 0 the later steps' executions under way are not saved and a resume runs them again."""
-        from gyre_ray.checkpoint import save
-
-        core = self.actors[self.core]
-        # executions of later steps already launched (eta > 0): not in the checkpoint, run again on resume
-        started = sum(1 for e in self.recorder.start if self.ledger.batch_of[e] >= self.updates)
-        state = {
-            "version": self.trainer_version,
-            "seed": self.cfg.run.seed,
-            "task_cursor": self.updates * self.cfg.run.tasks_per_step,  # plan_step's index into the tasks
-            "staleness": self.eta,
-            "later_executions_started": started,
-            "exact": started == 0,
-            "costs": dataclasses.asdict(self.costs),
-            "metrics": json.loads(json.dumps(metrics, default=str)),  # the journal's row, as JSON
-        }
-        since = time.monotonic()
-        save(self.run_dir, self.updates, lambda folder: ray.get(core.save.remote(str(folder)), timeout=600),
-             state, keep=self.cfg.run.keep_checkpoints)  # fmt: skip
-        return round(time.monotonic() - since, 3)
 
     def _cost_report(self) -> dict[str, Any]:
         cfg = self.cfg
