@@ -308,17 +308,18 @@ def _check_seeds(tasks: list[Task], wheres: dict[str, str]) -> None:
     hidden tests."""
     hidden = {t.task_id: h for t in tasks if (h := getattr(t.evaluate, "hidden", None)) is not None}
     refs: dict[str, set[str]] = {}
+    git_found = any(t.git is not None for t in tasks) and shutil.which("git") is not None
     for task in tasks:
         where = wheres[task.task_id]
-        if task.git is not None and shutil.which("git") is None:
+        if task.git is not None and not git_found:
             raise TaskFileError(f"{where}: git is given, but no git program is on PATH to clone it")
-        for owner, folder in hidden.items():
-            if task.seed_dir is not None and (folder == task.seed_dir or task.seed_dir in folder.parents):
+        for owner, folder in hidden.items() if task.seed_dir is not None else ():
+            if folder == task.seed_dir or task.seed_dir in folder.parents:
                 raise TaskFileError(
                     f"{where}: seed_dir {task.seed_dir} holds the hidden tests of task {owner!r} ({folder}): "
                     "they would be copied into the workspace"
                 )
-            if task.seed_dir is not None and folder in task.seed_dir.parents:
+            if folder in task.seed_dir.parents:
                 raise TaskFileError(
                     f"{where}: seed_dir {task.seed_dir} lies inside the hidden tests of task {owner!r} "
                     f"({folder}): its files would be copied into the workspace"
@@ -390,11 +391,12 @@ class _RepeatedKey(ValueError):
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    repeated = next((key for key in keys if keys.count(key) > 1), None)
-    if repeated is not None:
+    found = dict(pairs)
+    if len(found) < len(pairs):
+        seen: set[str] = set()
+        repeated = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise _RepeatedKey(f"key {repeated!r} is given twice in one object")
-    return dict(pairs)
+    return found
 
 
 _LOADED: dict[tuple[Path, str], list[Task]] = {}  # per process: every execution looks its task up
