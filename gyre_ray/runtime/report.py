@@ -3,7 +3,7 @@
 Pure functions over plain data (tested without Ray). The files follow the contract the simulator
 reads (`gyre-ray simulate --trace RUN_DIR`, docs/scheduling.md):
 - `RUN_DIR/trace.jsonl`: one object per execution: start, end (seconds since the run started), task,
-  step, timed_out, exec_id, calls, tokens, trajectories, dropped, version.
+  step, timed_out, exec_id, calls, tokens, trajectories, dropped, version, reward (null when dropped).
 - `RUN_DIR/costs.json`: the run's measured costs (`COST_KEYS`).
 """
 
