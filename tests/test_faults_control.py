@@ -70,7 +70,9 @@ def check_one_clock(rt: Runtime, result: dict, killed_at: float) -> None:
     published_wall = journal.clock_wall + result["steps"][0]["published_at_s"]
     assert killed_at <= published_wall <= time.time(), (killed_at, published_wall)
     first_start = min(row["start"] for row in result["trace"])
-    assert result["costs"]["makespan_s"] >= killed_at - (journal.clock_wall + first_start)
+    makespan = result["costs"]["makespan_s"]
+    assert makespan >= killed_at - (journal.clock_wall + first_start)  # the time before the kill counts
+    assert abs(makespan - (result["steps"][0]["published_at_s"] - first_start)) < 1e-3  # first launch to publish
 
 
 def test_scheduler_actor_dies_mid_step(runtime) -> None:
