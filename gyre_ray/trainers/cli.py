@@ -1,8 +1,8 @@
 """`gyre-ray logprobs`: per-token log-probabilities of one sequence under a trainer backend.
 
 Scores the sequence as the trainer does (`Trainer.compute_logprobs` on one plain row), so it is how a
-user checks that a backend (torch, or Megatron-core with tensor parallel N) reads an HF folder the
-same way. Token 0 has no predecessor: its log-prob is reported as null (JSON) or "-" (table). Bad
+user checks that a backend (torch, or Megatron-core with tensor parallel N and context parallel M)
+reads an HF folder the same way. Token 0 has no predecessor: its log-prob is reported as null (JSON) or "-" (table). Bad
 input prints one line naming what is wrong and exits with code 2.
 """
 
@@ -26,6 +26,12 @@ def register(subparsers: Any) -> None:
         "--trainer-backend", choices=("torch", "megatron"), default="torch", help="default torch"
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (megatron only; default 1)")
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel ranks per tensor-parallel rank (megatron only; default 1)",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", help="text to score (the folder's tokenizer, else the default one)")
     source.add_argument("--tokens", help="token ids to score, comma-separated, e.g. 1,2,3")
@@ -51,6 +57,8 @@ def _parse_tokens(text: str) -> list[int]:
 def _logprobs_command(args: argparse.Namespace) -> int:
     if args.tp < 1 or (args.tp > 1 and args.trainer_backend != "megatron"):
         return _fail(f"--tp {args.tp}: tensor parallelism needs --trainer-backend megatron and tp >= 1")
+    if args.cp < 1 or (args.cp > 1 and args.trainer_backend != "megatron"):
+        return _fail(f"--cp {args.cp}: context parallelism needs --trainer-backend megatron and cp >= 1")
     try:
         token_ids = None if args.tokens is None else _parse_tokens(args.tokens)
     except ValueError as exc:
@@ -78,7 +86,7 @@ def _logprobs_command(args: argparse.Namespace) -> int:
     if bad:
         return _fail(f"token ids {bad[:5]} are outside the vocabulary [0, {model_args.vocab_size})")
     try:
-        logprobs = _score(args.trainer_backend, args.tp, model, model_args, token_ids)
+        logprobs = _score(args.trainer_backend, (args.tp, args.cp), model, model_args, token_ids)
     except ModuleNotFoundError as exc:
         return _fail(
             f"{exc.name} is not installed (the megatron backend needs megatron-core: `make install`)"
@@ -90,6 +98,7 @@ def _logprobs_command(args: argparse.Namespace) -> int:
         payload = {
             "backend": args.trainer_backend,
             "tensor_parallel_size": args.tp,
+            "context_parallel_size": args.cp,
             "token_ids": token_ids,
             "logprobs": values,
             "sum": sum(logprobs[1:]),
@@ -118,8 +127,11 @@ def _tokenizer(folder: str, vocab_size: int) -> Any:
     return default if default.vocab_size <= vocab_size else None
 
 
-def _score(backend: str, tp: int, model: Any, model_args: Any, token_ids: list[int]) -> list[float]:
-    """Log-probs of `token_ids` (index 0: 0.0, undefined) from the backend's `compute_logprobs`."""
+def _score(
+    backend: str, parallel: tuple[int, int], model: Any, model_args: Any, token_ids: list[int]
+) -> list[float]:
+    """Log-probs of `token_ids` (index 0: 0.0, undefined) from the backend's `compute_logprobs`, with
+    `parallel` = (tensor, context) parallel sizes."""
     import torch
 
     from gyre_ray.algo import get_loss
@@ -127,7 +139,8 @@ def _score(backend: str, tp: int, model: Any, model_args: Any, token_ids: list[i
     from gyre_ray.trainers.config import TrainerSection
     from gyre_ray.trainers.factory import make_trainer
 
-    section = TrainerSection(backend=backend, tensor_parallel_size=tp)
+    tp, cp = parallel
+    section = TrainerSection(backend=backend, tensor_parallel_size=tp, context_parallel_size=cp)
     trainer = make_trainer(section, model, model_args, get_loss("gspo"))
     n = len(token_ids)
     batch = MicroBatch(
