@@ -30,6 +30,24 @@ from gyre_ray.model.tree_layout import TreeLayout
 Mask = torch.Tensor | AttentionPlan | TreePlan | None
 
 
+def plan_mask(
+    mask: torch.Tensor | TreeLayout | None,
+    rows: int,
+    length: int,
+    past_len: int,
+    heads: int,
+    device: torch.device,
+) -> AttentionPlan | TreePlan:
+    """The plan every layer of one forward shares, for `heads` query heads (it sizes the blocks): from
+    a tree layout, a (B, T, S) bool mask, or none (causal rows of `length` new tokens after `past_len`
+    cached ones). The Megatron trainer's tree core attention takes the same plans."""
+    if isinstance(mask, TreeLayout):
+        return plan_tree(mask, heads, device)
+    if mask is None:
+        return plan_causal(length, past_len, device, rows, heads)
+    return plan_attention(mask.to(device), heads)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dim, computed in float32 like transformers."""
 
@@ -226,14 +244,9 @@ class Qwen3ForCausalLM(nn.Module):
         self, mask: torch.Tensor | TreeLayout | None, batch: int, t: int, past_len: int, device: torch.device
     ) -> Mask:
         """The mask as a plan shared by every layer, where it has blocks to skip."""
-        heads = self.args.num_attention_heads
-        if isinstance(mask, TreeLayout):
-            return plan_tree(mask, heads, device)
-        if t == 1 or (mask is None and past_len == 0):
+        if not isinstance(mask, TreeLayout) and (t == 1 or (mask is None and past_len == 0)):
             return mask  # one decode step, or a fresh causal prefill: one fused kernel call
-        if mask is None:
-            return plan_causal(t, past_len, device, batch, heads)
-        return plan_attention(mask, heads)
+        return plan_mask(mask, batch, t, past_len, self.args.num_attention_heads, device)
 
     def forward(
         self,

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
+from gyre_ray.model.qwen3 import plan_mask
 from gyre_ray.model.tree_attention import plan_tree
 from gyre_ray.model.tree_layout import TreeLayout
 from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
@@ -50,7 +51,6 @@ from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
 from gyre_ray.trainers.megatron.context_parallel import share_logprobs, share_of
 from gyre_ray.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, merge_shards, shard, split_rule
-from gyre_ray.trainers.megatron.tree_core import plan_micro_batch
 
 STATE_FILE = "trainer_state_tp{rank}.pt"
 
@@ -153,7 +153,7 @@ class MegatronTrainer(Trainer):
         (`tree_core.py`), or for `dense` the explicit [B, 1, T, T] mask (Megatron: True = masked out)."""
         if self.attention == "tree":
             rows, length = batch.input_ids.shape
-            return plan_micro_batch(batch.attention_mask, rows, length, self.local_heads, self.device)
+            return plan_mask(batch.attention_mask, rows, length, 0, self.local_heads, self.device)
         return ~dense_attention_mask(batch)[:, None]
 
     def _rotary(self, position_ids: torch.Tensor) -> torch.Tensor:

@@ -23,24 +23,11 @@ from typing import Any
 
 import torch
 
-from gyre_ray.model.attention import AttentionPlan, attend, plan_attention, plan_causal
-from gyre_ray.model.tree_attention import TreePlan, plan_tree, tree_attention
-from gyre_ray.model.tree_layout import TreeLayout
+from gyre_ray.model.attention import AttentionPlan, attend
+from gyre_ray.model.tree_attention import TreePlan, tree_attention
 from gyre_ray.trainers.megatron.context_parallel import gather_columns
 
 Plan = TreePlan | AttentionPlan
-
-
-def plan_micro_batch(
-    mask: TreeLayout | torch.Tensor | None, rows: int, length: int, heads: int, device: torch.device
-) -> Plan:
-    """The attention plan every layer of one forward shares: from a tree layout, a (B, T, T) bool
-    mask, or none (plain causal rows). `heads` are this rank's query heads (it sizes the blocks)."""
-    if isinstance(mask, TreeLayout):
-        return plan_tree(mask, heads, device)
-    if mask is None:
-        return plan_causal(length, 0, device, rows, heads)
-    return plan_attention(mask.to(device), heads)
 
 
 class TreeCoreAttention(torch.nn.Module):
@@ -84,7 +71,7 @@ class TreeCoreAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if not isinstance(attention_mask, (TreePlan, AttentionPlan)):
             raise TypeError(
-                "tree core attention needs the micro-batch's plan as attention_mask (plan_micro_batch), "
+                "tree core attention needs the micro-batch's plan as attention_mask (`gyre_ray.model.qwen3.plan_mask`), "
                 f"got {type(attention_mask).__name__}"
             )
         if attention_bias is not None or packed_seq_params is not None:
