@@ -45,6 +45,10 @@ class Scraper:
         """The largest value seen of `name` with these labels (0.0 if never seen)."""
         return self.max.get(name + _format(labels), 0.0)
 
+    def seen(self, name: str, **labels: str) -> bool:
+        """Whether a sample of `name` with these labels was scraped at all (a value of 0.0 included)."""
+        return name + _format(labels) in self.max
+
     def names(self) -> set[str]:
         return {key.split("{")[0] for key in self.max}
 

@@ -5,6 +5,7 @@ scored or dropped with their reasons in the step's metrics while the job finishe
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,10 +92,13 @@ def test_hostile_executions_end_with_reasons_and_the_job_finishes(exec_tmp: Path
     }  # fmt: skip
 
 
+# Under CI (make install-harnesses installs it) a missing Claude Code fails instead of skipping.
 @pytest.mark.skipif(
-    claude_binary() is None, reason="Claude Code is not installed; run: make install-harnesses"
+    claude_binary() is None and os.environ.get("CI") != "true",
+    reason="Claude Code is not installed; run: make install-harnesses",
 )
 def test_claude_code_trains_in_the_job_on_the_mini_nl2repo_set(exec_tmp: Path) -> None:
+    assert claude_binary() is not None, "make install-harnesses must install Claude Code (CI runs this test)"
     # Claude Code as root through the job: it runs as an unprivileged uid of its own. Its built-in
     # tools are cut to Write and its system prompt shortened so the tiny model's CPU prefill stays short.
     summary = _train(
@@ -106,7 +110,12 @@ def test_claude_code_trains_in_the_job_on_the_mini_nl2repo_set(exec_tmp: Path) -
     run_dir = Path(summary["run_dir"])
     records = [r for p in (run_dir / "records").glob("s0-*.jsonl") for r in read_jsonl(p)]
     assert step["executions"] == 2 and step["valid"] + step["dropped"] == 2
+    # every execution reached the policy through the proxy (none dropped as "no model calls")
+    assert len({r.execution_id for r in records}) == 2, sorted({r.execution_id for r in records})
     assert records and {r.role for r in records} <= {"main", "sub-agent", "main-summary", "sub-agent-summary"}
     assert all(r.meta["api"] == "anthropic-messages" for r in records)
     assert _reports(run_dir) and all(d.endswith("hidden tests passed") for d in _reports(run_dir))
-    assert "loss" in step or step["dropped"] == 2, step
+    # it trains: at least one execution was scored, its tokens became micro-batches, the update ran
+    assert step["valid"] >= 1 and step["reward_mean"] is not None, step
+    assert "loss" in step and step["micro_batches"] > 0 and step["version"] == 1, step
+    assert sum(step["trained_by_cell"].values()) == step["micro_batches"], step

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -132,7 +135,14 @@ def test_the_run_seed_gives_other_draws_and_seed_0_keeps_the_default(tmp_path: P
     name = "s0-lt01-digits-3"
     assert toy_agent.execution_seed(name) == toy_agent.execution_seed(name, 0)  # 0: name only, as before
     assert toy_agent.execution_seed(name, 7) != toy_agent.execution_seed(name)
-    assert toy_agent.execution_seed(name, 7) == toy_agent.execution_seed(name, 7)  # reproducible
+    # reproducible: another process (another hash seed, as a resumed run or a rerun is) draws the same
+    code = f"from gyre_ray.agents.toy_agent import execution_seed as s; print(s({name!r}), s({name!r}, 7))"
+    other = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": "12345"},
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    here = [toy_agent.execution_seed(name), toy_agent.execution_seed(name, 7)]
+    assert other.stdout.split() == [str(seed) for seed in here]
     workspace = tmp_path / name
     get_task_set("longtail")[1].seed_workspace(workspace)
     totals = {}

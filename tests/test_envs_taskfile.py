@@ -166,10 +166,15 @@ def test_a_task_without_an_evaluator_is_scored_by_its_hidden_tests(exec_tmp: Pat
     """`evaluator` left out means the documented default: pytest over the hidden tests."""
     hidden = exec_tmp / "hidden"
     hidden.mkdir()
-    (hidden / "test_x.py").write_text("def test_x():\n    assert True\n")
+    (hidden / "test_x.py").write_text(
+        "import answer\n\ndef test_x():\n    assert answer.X == 1\n\ndef test_y():\n    assert answer.Y == 2\n"
+    )
     path = _write(exec_tmp / "tasks.jsonl", '{"id": "a", "prompt": "p", "hidden": "hidden"}\n')
     (task,) = load_task_file(path)
     assert task.evaluate.score == "pytest" and task.evaluate.hidden == hidden
+    # and it scores so: the share of the hidden tests the workspace passes
+    out = _run(task, exec_tmp, "open('answer.py', 'w').write('X = 1\\nY = 3\\n')", timeout_s=30)
+    assert out.valid and out.reward == 0.5 and out.detail == "1/2 hidden tests passed", out.detail
     no_tests = _write(exec_tmp / "bare.jsonl", '{"id": "b", "prompt": "p"}\n')
     with pytest.raises(TaskFileError, match="needs hidden tests"):
         load_task_file(no_tests)

@@ -65,7 +65,9 @@ def test_misspelled_field_fails(kind: str, where: tuple, typo: str) -> None:
 def test_wrong_type_fails() -> None:
     manifest = copy.deepcopy(_by_kind("RayJob"))
     manifest["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = "four"
-    assert validation_errors(manifest)
+    errors = validation_errors(manifest)
+    # the error is the one planted (the unchanged manifest validates: test_manifest_validates_strictly)
+    assert errors == ["spec.rayClusterSpec.workerGroupSpecs.0.replicas: 'four' is not of type 'integer'"]
 
 
 def test_rayjob_entrypoint_runs_the_job_with_a_valid_config() -> None:

@@ -110,6 +110,7 @@ def test_a_native_packing_leaves_several_threads_to_mkl_and_a_wrong_kernel_gives
             torch.testing.assert_close(fused(x), layer(x), atol=1e-5, rtol=1e-5)
             assert fused.kind == "native"
             used = len(calls)
+            assert used > 0  # one thread: the native kernel served the call (else the check below is empty)
             torch.set_num_threads(2)
             torch.testing.assert_close(fused(x), layer(x), atol=1e-5, rtol=1e-5)
             assert len(calls) == used  # several threads: F.linear, not the one-thread kernel

@@ -121,10 +121,6 @@ def fused_group(seed: int = 0) -> tuple[list[torch.nn.Linear], torch.Tensor]:
 def test_packed_products_equal_f_linear_at_every_row_count(kind: str, monkeypatch) -> None:
     """Rows below, at and above the packing's hint (the MKL packing is made for 4 rows here)."""
     if kind == "native" and not packed_linear._native_available():
-        pytest.fail(f"native GEMM {native_gemm.reason()}") if os.environ.get("CI") else pytest.skip(
-            f"native GEMM {native_gemm.reason()}"
-        )
-    if kind == "native" and not packed_linear._native_available():
         message = f"native GEMM {native_gemm.reason()}"
         pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
     if kind == "mkl" and not packed_linear._mkl_supported():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import transformers  # a dev dependency: the reference implementation, never skipped
 
 from gyre_ray.model import load_policy
 from gyre_ray.model.arch import ModelArgs
@@ -13,8 +14,6 @@ from gyre_ray.model.checkpoint import load_hf, save_hf
 from gyre_ray.model.config import ModelSection
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 from gyre_ray.model.tokenizer import Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
     # tied embeddings, grouped-query attention (4 query heads share 2 kv heads)

@@ -65,8 +65,14 @@ def test_a_replica_refused_by_a_draining_cell_routes_to_it_again_after_undrain(t
     async def scenario() -> None:
         cells, a, b = await _replicas(tmp_path)
         b.router.drain("cell-0")  # what a refusal does to b's router
-        await b.choose_cell("e1", set())  # starts the watch: the cell says it is not draining
+        assert not cells["cell-0"].is_draining()  # the cell itself never drained
+        # starts the watch (the cell says it is not draining); meanwhile b routes around cell-0
+        assert await b.choose_cell("e1", set()) == "cell-1"
         assert await _settle(b, set()) == set()
         assert await b.refresh_drain_state() == set()
+        # b routes to cell-0 again: a new execution goes to the cell with no execution pinned on it,
+        # and a call that must avoid cell-1 gets cell-0 instead of waiting for a routable cell
+        assert await b.choose_cell("e2", set()) == "cell-0"
+        assert await b.choose_cell("e3", {"cell-1"}) == "cell-0"
 
     asyncio.run(scenario())

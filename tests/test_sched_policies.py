@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -201,10 +202,23 @@ def test_trickle_prefetch_fills_only_the_cells_the_current_batch_needs() -> None
 
 
 def test_decide_is_pure() -> None:
+    """A decision depends on the state alone: the state is left as it was, and a policy that already
+    decided (on this state or another) decides as a fresh one does."""
     s = state([cell(0), cell(1), cell(2)], hosted={0: 1, 1: 1}, pending=[(0, 3), (1, 2)], eta=1, ready=1e3)
+    other = state([cell(0, T), cell(1), cell(2)], hosted={1: 4}, pending=[(0, 2), (1, 6)], eta=1, ready=50.0)
     for name in policy_names():
-        policy = make_policy(name, train_cells=1) if name == "async" else make_policy(name)
-        assert policy.decide(s) == policy.decide(s)
+
+        def fresh(name: str = name):
+            return make_policy(name, train_cells=1) if name == "async" else make_policy(name)
+
+        before = copy.deepcopy(s)
+        first = fresh().decide(s)
+        assert first, f"{name}: this state calls for actions, or the comparison proves nothing"
+        assert s == before, f"{name}: decide changed the state it was given"
+        used = fresh()
+        used.decide(other)
+        used.decide(s)
+        assert used.decide(s) == first == fresh().decide(copy.deepcopy(before)), name
 
 
 # ----------------------------------------------------------------- colocate

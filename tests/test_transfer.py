@@ -58,9 +58,9 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, KVState):
-        return (
-            a.rid == b.rid and a.input_ids == b.input_ids and _same(a.kv, b.kv) and a.sampling == b.sampling
+    if isinstance(a, KVState):  # every field: the outputs, log-probs, versions and RNG state move too
+        return type(b) is KVState and all(
+            _same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(KVState)
         )
     return a == b
 
