@@ -13,11 +13,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from local_ray import private_ray, toy_runtime
-
-ray = pytest.importorskip("ray")
-
-from fault_workload import (  # noqa: E402
+import ray
+from fault_workload import (
     CountingExecutor,
     check_nothing_lost,
     fault_overrides,
@@ -25,8 +22,9 @@ from fault_workload import (  # noqa: E402
     relative_update_gap,
     ship_by_value,
 )
+from local_ray import private_ray, toy_runtime
 
-from gyre_ray.runtime.cluster import Runtime  # noqa: E402
+from gyre_ray.runtime.cluster import Runtime
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
+from fault_workload import CountingExecutor, check_nothing_lost, ship_by_value
 
-ray = pytest.importorskip("ray")
-
-from fault_workload import CountingExecutor, check_nothing_lost, ship_by_value  # noqa: E402
-
-from gyre_ray.config import load_config  # noqa: E402
-from gyre_ray.runtime.cluster import Runtime  # noqa: E402
+from gyre_ray.config import load_config
+from gyre_ray.runtime.cluster import Runtime
 
 pytestmark = pytest.mark.slow
 

@@ -19,14 +19,12 @@ from collections import Counter
 
 import httpx
 import pytest
+import ray
 
+from gyre_ray.cells.factories import ScriptedEngineFactory
+from gyre_ray.config import load_config
+from gyre_ray.proxy.launch import start_proxy
 from gyre_ray.runtime.cluster import start_local_ray
-
-ray = pytest.importorskip("ray")
-
-from gyre_ray.cells.factories import ScriptedEngineFactory  # noqa: E402
-from gyre_ray.config import load_config  # noqa: E402
-from gyre_ray.proxy.launch import start_proxy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

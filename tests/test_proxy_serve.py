@@ -15,16 +15,14 @@ import time
 import anthropic
 import openai
 import pytest
+import ray
 
+from gyre_ray.config import load_config
+from gyre_ray.model.config import ModelSection
+from gyre_ray.proxy.codec import ChatCodec
+from gyre_ray.proxy.launch import start_proxy
+from gyre_ray.proxy.prompt import ChatPrompt
 from gyre_ray.runtime.cluster import start_local_ray
-
-ray = pytest.importorskip("ray")
-
-from gyre_ray.config import load_config  # noqa: E402
-from gyre_ray.model.config import ModelSection  # noqa: E402
-from gyre_ray.proxy.codec import ChatCodec  # noqa: E402
-from gyre_ray.proxy.launch import start_proxy  # noqa: E402
-from gyre_ray.proxy.prompt import ChatPrompt  # noqa: E402
 
 CODEC = ChatCodec.for_model(ModelSection())
 MAX_TOKENS = 96

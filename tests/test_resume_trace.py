@@ -183,7 +183,8 @@ def test_the_schedulers_journal_gives_the_rows_its_recorder_writes(
     """The scheduler's own launch and end (Ray's parts stood in for) journal what makes, on a first
     segment (offset 0), exactly the rows `RunRecorder.trace` writes of the published steps: same
     keys, times, rounding and meaning."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     from gyre_ray.runtime.recorder import RunRecorder
     from gyre_ray.runtime.scheduler import RunScheduler
     from gyre_ray.scheduling.runtime import ExecutionLedger

@@ -12,13 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import ray
 from local_ray import private_ray, toy_runtime
+from longtail_workload import LongTailExecutor, ship_by_value
 
-ray = pytest.importorskip("ray")
-
-from longtail_workload import LongTailExecutor, ship_by_value  # noqa: E402
-
-from gyre_ray.trajectory.records import read_jsonl  # noqa: E402
+from gyre_ray.trajectory.records import read_jsonl
 
 pytestmark = pytest.mark.slow
 

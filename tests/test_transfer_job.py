@@ -21,17 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
+import torch
+from fault_workload import reference_weights, relative_update_gap
+from local_ray import private_ray, toy_runtime
+from longtail_workload import register_by_value
+from test_transfer import _kill_and_wait
 
-ray = pytest.importorskip("ray")
-
-import torch  # noqa: E402
-from fault_workload import reference_weights, relative_update_gap  # noqa: E402
-from local_ray import private_ray, toy_runtime  # noqa: E402
-from longtail_workload import register_by_value  # noqa: E402
-from test_transfer import _kill_and_wait  # noqa: E402
-
-from gyre_ray.runtime.cluster import Runtime  # noqa: E402
-from gyre_ray.transfer.mooncake import mooncake_available  # noqa: E402
+from gyre_ray.runtime.cluster import Runtime
+from gyre_ray.transfer.mooncake import mooncake_available
 
 pytestmark = pytest.mark.slow
 
