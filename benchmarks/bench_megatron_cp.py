@@ -22,17 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_mask import save, widest_batch  # noqa: E402
 
 
-def _rank(rank: int, port: int, cp: int, turns: int, folder: str, out: mp.Queue) -> None:
+def _rank(
+    rank: int, port: int, cp: int, turns: int, folder: str, out: mp.Queue, split: str = "balanced"
+) -> None:
     import torch
 
     from gyre_ray.algo.config import AlgoSection
     from gyre_ray.algo.gspo import make_tree_gspo_loss
     from gyre_ray.model.checkpoint import load_hf
+    from gyre_ray.model.tree_attention import plan_tree
     from gyre_ray.trainers.config import TrainerSection
+    from gyre_ray.trainers.megatron.context_parallel import share_of
     from gyre_ray.trainers.megatron.tensor_parallel import HOST, build_rank, rank_init
 
     model, args = load_hf(folder)
-    section = TrainerSection(backend="megatron", context_parallel_size=cp)
+    section = TrainerSection(backend="megatron", context_parallel_size=cp, context_parallel_split=split)
     init = rank_init(model.state_dict(), args, section, make_tree_gspo_loss(AlgoSection()), 0)
     del model
     trainer = build_rank(rank, HOST, port, init, threads=1)
@@ -48,12 +52,16 @@ def _rank(rank: int, port: int, cp: int, turns: int, folder: str, out: mp.Queue)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline
     grads = trainer.export_grads()
     norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])))
+    share = share_of(batch, cp, rank, split)
+    pairs = plan_tree(share.layout, args.num_attention_heads, queries=share.ranges).visited_pairs
     out.put({"rank": rank, "tokens": int(batch.input_ids.size(1)), "calls": calls, "grad_norm": norm,
-             "peak_rss_above_baseline_mib": round(peak, 1), "cpu_s": round(cpu, 2)})  # fmt: skip
+             "peak_rss_above_baseline_mib": round(peak, 1), "cpu_s": round(cpu, 2),
+             "attention_pairs": pairs})  # fmt: skip
 
 
-def measure(cp: int, turns: int, folder: str) -> dict:
-    """`cp` rank processes training the widest row once: per rank peak memory and CPU."""
+def measure(cp: int, turns: int, folder: str, split: str = "balanced") -> dict:
+    """`cp` rank processes training the widest row once (columns split `split`): per rank peak memory,
+    CPU seconds and the attention's query x key pairs."""
     import torch.distributed as dist
 
     from gyre_ray.trainers.megatron.tensor_parallel import HOST
@@ -61,7 +69,9 @@ def measure(cp: int, turns: int, folder: str) -> dict:
     store = dist.TCPStore(HOST, 0, world_size=cp, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, store.port, cp, turns, folder, out)) for r in range(cp)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, store.port, cp, turns, folder, out, split)) for r in range(cp)
+    ]
     for proc in procs:
         proc.start()
     ranks = sorted((out.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
@@ -69,6 +79,7 @@ def measure(cp: int, turns: int, folder: str) -> dict:
         proc.join()
     return {
         "context_parallel_size": cp,
+        "split": split,
         "tokens": ranks[0]["tokens"],
         "calls": ranks[0]["calls"],
         "grad_norm": ranks[0]["grad_norm"],

@@ -1,5 +1,5 @@
 """Context parallelism (trainer.context_parallel_size): a micro-batch's columns split among rank
-processes (gloo on 127.0.0.1), alone and under tensor parallel 2, equals one rank: log-probs of tree
+processes (gloo on 127.0.0.1), balanced alone and under tensor parallel 2, and contiguous, equals one rank: log-probs of tree
 and causal rows (a width that does not split evenly included), packed GSPO gradients under HF names,
 the clipped AdamW update, and a checkpoint written once."""
 
@@ -32,13 +32,19 @@ pytestmark = pytest.mark.slow
 SECTION = dict(backend="megatron", lr=1e-2, weight_decay=0.01, grad_clip=1.0)
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 2)], ids=["cp2", "tp2-cp2"])
+@pytest.fixture(
+    scope="module",
+    params=[(1, 2, "balanced"), (2, 2, "balanced"), (1, 2, "contiguous")],
+    ids=["cp2", "tp2-cp2", "cp2-contiguous"],
+)
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    tp, cp = request.param
+    tp, cp, split = request.param
     folder = hf_folder(tmp_path_factory.mktemp("cp"), tied=True)
     model, args = load_hf(folder)
     one = make_trainer(TrainerSection(**SECTION), model, args, gspo_loss())
-    section = TrainerSection(tensor_parallel_size=tp, context_parallel_size=cp, **SECTION)
+    section = TrainerSection(
+        tensor_parallel_size=tp, context_parallel_size=cp, context_parallel_split=split, **SECTION
+    )
     split = make_trainer(section, model, args, gspo_loss())
     assert isinstance(split, TensorParallelTrainer) and len(split._processes) == tp * cp
     yield one, split, folder

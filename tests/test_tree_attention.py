@@ -229,8 +229,9 @@ def test_a_long_row_keeps_linear_memory_for_the_backward_pass(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_query_ranges_of_a_plan_give_the_rows_of_the_whole(monkeypatch, seed):
-    """A context-parallel rank plans only its columns' queries over all keys: the shares, side by side,
-    are the whole row's attention, whatever the range boundaries cut (blocks, segments, padding)."""
+    """A context-parallel rank plans only its columns' queries (one range or two) over all keys: the
+    shares, put back at their columns, are the whole row's attention, whatever the range boundaries
+    cut (blocks, segments, padding)."""
     rng = random.Random(100 + seed)
     monkeypatch.setattr(tree_attention, "BLOCK_QUERIES", rng.choice([5, 16, 128]))
     # odd seeds: masked blocks recomputed in the backward pass
@@ -245,14 +246,19 @@ def test_query_ranges_of_a_plan_give_the_rows_of_the_whole(monkeypatch, seed):
     )
     want = brute_force(q, k, v, layout.dense())
     cuts = sorted({0, width, *(rng.randint(0, width) for _ in range(rng.randint(1, 4)))})
-    parts = []
-    for lo, hi in zip(cuts, cuts[1:], strict=False):
-        plan = plan_tree(layout, heads=4, queries=(lo, hi))
-        assert (plan.q_start, plan.q_len, plan.keys_expected) == (lo, hi - lo, width)
-        assert plan.recompute == bool(seed % 2 and hi > lo)
-        parts.append(tree_attention.tree_attention(q[:, :, lo:hi], k, v, plan))
-    got = torch.cat(parts, dim=2)
+    spans = list(zip(cuts, cuts[1:], strict=False))
+    # each rank takes a span from each end, as the zigzag split does (the last may take one)
+    shares = [tuple(sorted({spans[i], spans[-1 - i]})) for i in range((len(spans) + 1) // 2)]
+    got = torch.zeros_like(want)
+    for share in shares:
+        plan = plan_tree(layout, heads=4, queries=share)
+        columns = torch.cat([torch.arange(lo, hi) for lo, hi in share])
+        assert (plan.q_ranges, plan.q_len, plan.keys_expected) == (share, columns.numel(), width)
+        assert plan.recompute == bool(seed % 2 and columns.numel())
+        got = got.index_add(2, columns, tree_attention.tree_attention(q[:, :, columns], k, v, plan))
     assert (got - want).abs().max() <= 1e-10
     assert_same_gradients(got, want, (q, k, v), g)
-    with pytest.raises(ValueError, match="outside the rows"):
-        plan_tree(layout, heads=4, queries=(0, width + 1))
+    with pytest.raises(ValueError, match="inside the rows"):
+        plan_tree(layout, heads=4, queries=((0, width + 1),))
+    with pytest.raises(ValueError, match="ascending, disjoint"):
+        plan_tree(layout, heads=4, queries=((0, 2), (1, 3)))

@@ -110,18 +110,29 @@ class TreeBlock:
 
 @dataclass(frozen=True)
 class TreePlan:
-    """Query blocks per batch row, for the `q_len` queries from column `q_start` (all of them unless a
-    query range was planned: context parallelism) over the row's `key_len` keys (no cached past)."""
+    """Query blocks per batch row, for the `q_len` queries of the column ranges `q_ranges` (one range,
+    all columns, unless query ranges were planned: a context-parallel rank's share), in that order,
+    over the row's `key_len` keys (no cached past). A block lies in one range."""
 
     rows: tuple[tuple[TreeBlock, ...], ...]
     q_len: int
     recompute: bool = False  # recompute masked or gathered blocks in the backward pass (long rows)
-    q_start: int = 0
+    q_ranges: tuple[tuple[int, int], ...] = ()  # (): the columns [0, q_len)
     key_len: int = -1  # -1: as many keys as queries
 
     @property
     def keys_expected(self) -> int:
         return self.q_len if self.key_len < 0 else self.key_len
+
+    def query_rows(self, block: TreeBlock) -> slice:
+        """Where `block`'s queries lie in q (B, Hq, q_len, D): its columns less those of the ranges
+        before its own."""
+        before = 0
+        for lo, hi in self.q_ranges:
+            if lo <= block.start < hi:
+                return slice(before + block.start - lo, before + block.stop - lo)
+            before += hi - lo
+        return slice(block.start, block.stop)
 
     @property
     def visited_pairs(self) -> int:
@@ -193,15 +204,21 @@ def plan_tree(
     layout: TreeLayout,
     heads: int,
     device: torch.device | str = "cpu",
-    queries: tuple[int, int] | None = None,
+    queries: tuple[tuple[int, int], ...] | None = None,
 ) -> TreePlan:
     """Query blocks of every row of `layout` (built once per forward, shared by every layer); with
-    `queries=(lo, hi)` only the query columns [lo, hi) of each row, over all its keys (a context-
-    parallel rank's share of the row)."""
+    `queries` (ascending, disjoint column ranges [lo, hi)) only those query columns of each row, in
+    that order, over all its keys (a context-parallel rank's share of the row)."""
     device = torch.device(device)
-    lo, hi = (0, layout.width) if queries is None else queries
-    if not 0 <= lo <= hi <= layout.width:
-        raise ValueError(f"query range [{lo}, {hi}) is outside the rows' {layout.width} columns")
+    ranges = ((0, layout.width),) if queries is None else tuple((int(lo), int(hi)) for lo, hi in queries)
+    previous = 0
+    for lo, hi in ranges:
+        if not previous <= lo <= hi <= layout.width:
+            raise ValueError(
+                f"query ranges {list(ranges)} are not ascending, disjoint ranges inside the rows' "
+                f"{layout.width} columns"
+            )
+        previous = hi
     size = _block_rows(heads, max(1, layout.width))
     rows = []
     for r, segments in enumerate(layout.rows):
@@ -209,20 +226,22 @@ def plan_tree(
         real = layout.real_length(r)
         blocks = []
         first = 0
-        for start in range(lo, min(real, hi), size):
-            stop = min(real, hi, start + size)
-            while segments[first][1] <= start:
-                first += 1
-            blocks.append(_real_block(segments, ancestors, first, start, stop, device))
-        for start in range(max(real, lo), hi, size):  # padding: each column sees itself
-            stop = min(hi, start + size)
-            eye = torch.eye(stop - start, dtype=torch.bool, device=device)
-            blocks.append(TreeBlock(start, stop, ((start, stop),), 0, eye))
+        for lo, hi in ranges:
+            for start in range(lo, min(real, hi), size):
+                stop = min(real, hi, start + size)
+                while segments[first][1] <= start:
+                    first += 1
+                blocks.append(_real_block(segments, ancestors, first, start, stop, device))
+            for start in range(max(real, lo), hi, size):  # padding: each column sees itself
+                stop = min(hi, start + size)
+                eye = torch.eye(stop - start, dtype=torch.bool, device=device)
+                blocks.append(TreeBlock(start, stop, ((start, stop),), 0, eye))
         rows.append(tuple(blocks))
     # a block's mask is rows x keys bools: what the widest row's blocks would keep for the backward pass
     kept_mask_bytes = max((sum((b.stop - b.start) * b.keys for b in blocks) for blocks in rows), default=0)
     recompute = kept_mask_bytes > RECOMPUTE_ABOVE_MASK_BYTES
-    return TreePlan(tuple(rows), hi - lo, recompute, q_start=lo, key_len=layout.width)
+    q_len = sum(hi - lo for lo, hi in ranges)
+    return TreePlan(tuple(rows), q_len, recompute, q_ranges=ranges, key_len=layout.width)
 
 
 def _gather(x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -262,8 +281,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Tree
         qb, kb, vb = q[b : b + 1], k[b : b + 1], v[b : b + 1]
         parts = []
         for block in blocks:
-            rows = slice(block.start - plan.q_start, block.stop - plan.q_start)
-            args = (qb[:, :, rows], kb, vb, block.ranges, block.shared, block.tail)
+            args = (qb[:, :, plan.query_rows(block)], kb, vb, block.ranges, block.shared, block.tail)
             if recompute and (block.tail is not None or len(block.ranges) > 1):
                 parts.append(checkpoint(_block_attention, *args, use_reentrant=False))
             else:

@@ -33,6 +33,13 @@ class TrainerSection(Section):
         "a long row's activations divided among them; keys and values gathered per layer); "
         "tensor_parallel_size x context_parallel_size ranks per trainer replica.",
     )
+    context_parallel_split: Literal["balanced", "zigzag", "contiguous"] = Field(
+        "balanced",
+        description="Megatron backend, context parallel: which columns each rank takes: balanced (the row "
+        "cut into 2-8 equal chunks per rank, dealt out by their attention work so every rank has about "
+        "the same), zigzag (2 x ranks chunks, rank r taking chunks r and 2 x ranks - 1 - r: even on "
+        "causal rows) or contiguous (one run of columns each).",
+    )
     tensor_parallel_workers: Literal["auto", "ray", "process"] = Field(
         "auto",
         description="Megatron backend, more than one rank (tensor x context parallel): where the ranks run: 'ray' (one Ray actor per rank "

@@ -49,7 +49,7 @@ from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
 from gyre_ray.trainers.batch import MicroBatch, dense_attention_mask, token_logprobs
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
-from gyre_ray.trainers.megatron.context_parallel import share_logprobs, share_of
+from gyre_ray.trainers.megatron.context_parallel import SharePlan, share_logprobs, share_of
 from gyre_ray.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, merge_shards, shard, split_rule
 
 STATE_FILE = "trainer_state_tp{rank}.pt"
@@ -88,6 +88,7 @@ class MegatronTrainer(Trainer):
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_split = section.context_parallel_split
         self.local_heads = args.num_attention_heads // self.tp_size  # this rank's query heads
         self.spec = build.resolve_spec(section.megatron_spec)
         dtype = next(iter(hf_state.values())).dtype
@@ -140,12 +141,13 @@ class MegatronTrainer(Trainer):
     def _share_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         """Context parallel: this rank runs its share of the columns; the group sums the log-probs."""
         try:
-            share = share_of(batch, self.cp_size, self.cp_rank)
+            share = share_of(batch, self.cp_size, self.cp_rank, self.cp_split)
         except ValueError as exc:
             raise MegatronInputError(str(exc)) from None
-        plan = plan_tree(share.layout, self.local_heads, self.device, queries=(share.lo, share.hi))
-        columns = slice(share.lo, share.hi)
-        logits = self._logits(share.input_ids[:, columns], share.position_ids[:, columns], plan)
+        plan = plan_tree(share.layout, self.local_heads, self.device, queries=share.ranges)
+        columns = share.columns.to(self.device)
+        ids, positions = share.input_ids.index_select(1, columns), share.position_ids.index_select(1, columns)
+        logits = self._logits(ids, positions, SharePlan(plan, share.column_split(self.cp_group)))
         return share_logprobs(logits, share, self.cp_group)
 
     def _attention_mask(self, batch: MicroBatch) -> Any:

@@ -10,8 +10,9 @@ decoder in place of the mask; every layer attends its own projections (already n
 by Megatron, this rank's heads under tensor parallelism) through it. Rows with no layout (causal)
 or a dense mask are planned by `gyre_ray.model.attention` the same way the torch model does.
 
-Under context parallelism (`context_parallel.py`) a rank holds a share of the columns: the plan is
-for its queries, and the keys and values of all columns are gathered from the group first.
+Under context parallelism (`context_parallel.py`) a rank holds a share of the columns: the trainer
+hands down a `SharePlan`, the plan of its queries and how the group's keys and values are gathered
+back into column order before it is followed.
 
 Megatron's own attention is kept for `trainer.megatron_attention=dense`.
 """
@@ -25,9 +26,9 @@ import torch
 
 from gyre_ray.model.attention import AttentionPlan, attend
 from gyre_ray.model.tree_attention import TreePlan, tree_attention
-from gyre_ray.trainers.megatron.context_parallel import gather_columns
+from gyre_ray.trainers.megatron.context_parallel import SharePlan, gather_columns
 
-Plan = TreePlan | AttentionPlan
+Plan = TreePlan | AttentionPlan | SharePlan
 
 
 class TreeCoreAttention(torch.nn.Module):
@@ -55,9 +56,6 @@ class TreeCoreAttention(torch.nn.Module):
                 "needs trainer.megatron_attention=dense"
             )
         self.layer_number = layer_number
-        from megatron.core import parallel_state  # its groups exist before the model is built
-
-        self.cp_group = parallel_state.get_context_parallel_group()
 
     def forward(
         self,
@@ -69,6 +67,11 @@ class TreeCoreAttention(torch.nn.Module):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
+        if isinstance(attention_mask, SharePlan):
+            # context parallel: this rank holds a share of k, v; one gather brings every rank's
+            kv = gather_columns(torch.cat((key, value), dim=-1), attention_mask.split)
+            key, value = kv.chunk(2, dim=-1)
+            attention_mask = attention_mask.plan
         if not isinstance(attention_mask, (TreePlan, AttentionPlan)):
             raise TypeError(
                 "tree core attention needs the micro-batch's plan as attention_mask (`gyre_ray.model.qwen3.plan_mask`), "
@@ -76,9 +79,6 @@ class TreeCoreAttention(torch.nn.Module):
             )
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("tree core attention takes neither an attention bias nor packed-sequence params")
-        if isinstance(attention_mask, TreePlan) and key.size(0) != attention_mask.keys_expected:
-            # context parallel: this rank holds a share of k, v; one gather brings every rank's
-            key, value = gather_columns(torch.cat((key, value), dim=-1), self.cp_group).chunk(2, dim=-1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
         if isinstance(attention_mask, TreePlan):
             out = tree_attention(q, k, v, attention_mask)
