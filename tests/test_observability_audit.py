@@ -133,14 +133,71 @@ def test_a_one_step_run_has_whole_steps_on_its_axes(tmp_path: Path, drawn: dict[
     assert low > -0.1  # was -0.04 "versions behind" with ticks below 0
 
 
-def test_legends_sit_beside_the_plot_not_over_its_lines(tmp_path: Path, drawn: dict[str, Any]) -> None:
+def test_a_picture_with_no_step_names_no_step_on_its_axis(tmp_path: Path, drawn: dict[str, Any]) -> None:
+    report.write_report(run_dir(tmp_path))  # no evaluation
+    assert list(drawn["eval.png"].axes[0].get_xticks()) == []  # was a lone tick 0: a step not there
+
+
+def test_a_task_that_ran_but_scored_nothing_is_a_gap_in_its_line(
+    tmp_path: Path, drawn: dict[str, Any]
+) -> None:
+    """A task's line bridged a step at which every one of its executions was dropped, as if it had not
+    run there; the mean's line has a gap at such a step."""
+    (tmp_path / "traced").mkdir()
+    run = run_dir(tmp_path / "traced")
+    trace = _rows(run / "trace.jsonl")
+    dropped = {"start": 13.0, "end": 14.0, "task": "s2-vowels", "step": 2, "reward": None, "dropped": True}
+    _write(run / "trace.jsonl", [*trace, dropped, {**dropped, "task": "s3-vowels", "step": 3, "reward": 0.4,
+                                                   "dropped": False}])  # fmt: skip
+    report.write_report(run)
+    (vowels,) = [line for line in drawn["reward.png"].axes[0].lines if line.get_label() == "vowels"]
+    ys = dict(zip(vowels.get_xdata(), vowels.get_ydata(), strict=True))
+    assert list(ys) == [0, 1, 2, 3] and math.isnan(ys[2]) and ys[3] == 0.4  # was [0, 1, 3]: a line over 2
+    metrics_only = tmp_path / "untraced"  # a killed run: the per-task rewards from metrics.jsonl
+    metrics_only.mkdir()
+    by_task = ({"vowels": 0.5}, {"vowels": None, "other": 0.2}, {"vowels": 0.7})
+    _write(
+        metrics_only / "metrics.jsonl",
+        [{**GOOD_STEP, "step": s, "reward_by_task": t} for s, t in enumerate(by_task)],
+    )
+    report.write_report(metrics_only)
+    (vowels,) = [line for line in drawn["reward.png"].axes[0].lines if line.get_label() == "vowels"]
+    assert math.isnan(vowels.get_ydata()[1])
+
+
+def eval_run(tmp_path: Path, tasks: int) -> Path:
+    """A run folder whose eval.jsonl has `tasks` tasks at steps 0 and 2."""
     run = run_dir(tmp_path)
-    tasks = {f"task-{k}": {"reward": k / 10, "pass_rate": 0.0} for k in range(8)}
+    scored = {f"task-{k}": {"reward": k / 10, "pass_rate": 0.0} for k in range(tasks)}
     _write(
         run / "eval.jsonl",
-        [{"step": s, "reward_mean": 0.3, "pass_rate": 0.1, "tasks": tasks} for s in (0, 2)],
+        [{"step": s, "reward_mean": 0.3, "pass_rate": 0.1, "tasks": scored} for s in (0, 2)],
     )
-    report.write_report(run)
+    return run
+
+
+def test_no_eval_task_wears_the_pass_rates_colour(tmp_path: Path, drawn: dict[str, Any]) -> None:
+    from matplotlib.colors import to_rgb
+
+    report.write_report(eval_run(tmp_path, 4))
+    colours = {line.get_label(): to_rgb(line.get_color()) for line in drawn["eval.png"].axes[0].lines}
+    passes = colours.pop("pass rate")
+    nearest = min(math.dist(passes, colour) for colour in colours.values())
+    assert nearest > 0.2  # was 0.13: task-2's tab:green beside the pass rate's green
+
+
+def test_the_timeline_names_its_dotted_lines(tmp_path: Path, drawn: dict[str, Any]) -> None:
+    report.write_report(run_dir(tmp_path))
+    assert "update published" in _labels(drawn["timeline.png"])  # was unnamed dotted lines
+    (tmp_path / "trace.jsonl").unlink()
+    report.write_report(tmp_path)
+    running = drawn["timeline.png"].axes[1]  # was a flat 0 on an axis of -0.04 to 0.04 executions
+    assert "executions running are unknown" in running.texts[0].get_text()
+    assert list(running.get_yticks()) == []
+
+
+def test_legends_sit_beside_the_plot_not_over_its_lines(tmp_path: Path, drawn: dict[str, Any]) -> None:
+    report.write_report(eval_run(tmp_path, 8))
     for name in ("reward.png", "staleness.png", "eval.png"):
         fig = drawn[name]
         ax, legend = fig.axes[0], fig.axes[0].get_legend()

@@ -176,3 +176,24 @@ def test_plan_prints_a_progress_line_per_layout_on_stderr(small: str, capsys) ->
     assert (
         " h per step, " in lines[-1] and " x bound (3/3, " in lines[-1] and lines[-1].endswith(" s in all)")
     )
+
+
+def test_the_plot_names_its_update_lines_and_a_short_axis_is_not_in_hours(
+    small: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import matplotlib.pyplot as plt
+
+    from gyre_ray.sim.plot import _time_unit
+
+    figures: list = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    base = ["simulate", "--workload", small, "--steps", "1", "--cells", "2", "--policies", "colocate"]
+    assert main([*base, "--plot", str(tmp_path / "t.png"), "--plot-hours", "0.1"]) == 0
+    fig = figures[-1]
+    assert "optimizer update" in [t.get_text() for t in fig.legends[0].get_texts()]  # the thin lines
+    ax = fig.axes[-1]
+    assert ax.get_xlabel() == "time (seconds)" and ax.get_xlim() == pytest.approx((0, 360))  # was 0.0-0.1 h
+    assert " min, " in ax.get_title(loc="left")  # the run's own length (40 min), longer than the zoom
+    # a replayed run of minutes: was "0.1 h, ..., bound 0.1 h" on an axis of 0.00-0.12 hours
+    assert [_time_unit(s)[1] for s in (270.0, 1200.0, 3600.0)] == ["s", "min", "h"]

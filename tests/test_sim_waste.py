@@ -89,3 +89,18 @@ def test_the_waste_picture_draws_every_case_and_refuses_none(tmp_path) -> None:
     assert image.format == "PNG" and width > 2 * height  # two panels side by side
     with pytest.raises(ValueError, match="no cases to draw"):
         plot_waste([], tmp_path / "none.png")
+
+
+def test_a_bound_granting_nothing_is_a_tick_clear_of_the_frame(tmp_path, monkeypatch) -> None:
+    import matplotlib.pyplot as plt
+
+    from gyre_ray.sim.plot import plot_waste
+
+    figures: list = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    parts = {"rollout_empty_s": 10.0, "train_other_s": 5.0, "switching_s": 1.0}
+    case = {"preset": "a", "makespan_s": 100.0, "totals_cell_s": parts, "ratio_to_bound": 1.1}
+    plot_waste([{**case, "cells": 2, "bound_grants_cell_s": 0.0}], tmp_path / "waste.png")
+    left, _ = figures[-1].axes[0].get_xlim()
+    assert left < 0  # was 0: the tick at 0 hid under the axes' frame (nl2repo-hard, terminal 7-8 cells)

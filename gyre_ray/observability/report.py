@@ -271,6 +271,25 @@ def step_rewards_by_task(steps: list[dict[str, Any]]) -> dict[str, dict[int, flo
     return dict(out)
 
 
+def unscored_task_steps(trace: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, set[int]]:
+    """The steps at which each task ran but scored no execution (every one dropped): gaps in its line,
+    not steps it skipped (a task that was not sampled at a step has no point there and no gap)."""
+    ran: dict[str, set[int]] = defaultdict(set)
+    scored: dict[str, set[int]] = defaultdict(set)
+    for r in trace:
+        if isinstance(r.get("task"), str):
+            task = re.sub(r"^s\d+-", "", r["task"])
+            ran[task].add(int(r["step"]))
+            if not r.get("dropped") and r.get("reward") is not None:
+                scored[task].add(int(r["step"]))
+    for m in steps:
+        for task, reward in (m.get("reward_by_task") or {}).items():
+            ran[task].add(int(m["step"]))
+            if reward is not None:
+                scored[task].add(int(m["step"]))
+    return {task: ran[task] - scored[task] for task in ran if ran[task] - scored[task]}
+
+
 def _plt() -> Any:
     import matplotlib
 
@@ -288,6 +307,8 @@ def _step_axis(ax: Any, xs: list[int]) -> None:
     if not xs or min(xs) == max(xs):
         at = xs[0] if xs else 0
         ax.set_xlim(at - 0.5, at + 0.5)
+    if not xs:  # no step at all: a lone tick 0 would name a step that is not there
+        ax.set_xticks([])
 
 
 def _legend_outside(ax: Any) -> None:
@@ -300,10 +321,13 @@ def _legend_outside(ax: Any) -> None:
 
 def _say(ax: Any, text: str, corner: bool = False) -> None:
     """Why a plot holds no data, in its middle, or (`corner`) why it lacks some, in its top left corner."""
+    box = {"facecolor": "white", "edgecolor": "none", "alpha": 0.85}  # legible over grid and marker lines
     if corner:
-        ax.text(0.01, 0.97, text, ha="left", va="top", transform=ax.transAxes, fontsize=7)
+        ax.text(0.01, 0.97, text, ha="left", va="top", transform=ax.transAxes, fontsize=7, bbox=box)
     else:
-        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, wrap=True)
+        ax.text(
+            0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=9, wrap=True, bbox=box
+        )
 
 
 def _steps_named(steps: list[int], limit: int = 8) -> str:
@@ -319,8 +343,11 @@ def plot_reward(steps: list[dict[str, Any]], trace: list[dict[str, Any]], path: 
     ys = [_or_nan(m.get("reward_mean")) for m in steps]
     ax.plot(xs, ys, "o-", color="black", lw=2, label="mean")
     by_task = rewards_by_task(trace) or step_rewards_by_task(steps)  # a killed run has no trace
+    gaps = unscored_task_steps(trace, steps)
     for task, series in sorted(by_task.items()):
-        ax.plot(list(series), list(series.values()), ".--", alpha=0.7, label=task)
+        # a step at which the task ran but scored nothing breaks its line (the mean's gap, too)
+        points = sorted({**{s: float("nan") for s in gaps.get(task, ())}, **series}.items())
+        ax.plot([s for s, _ in points], [y for _, y in points], ".--", alpha=0.7, label=task)
     if not steps:
         _say(ax, "no step logged yet (metrics.jsonl holds none)", corner=bool(by_task))
     elif all(math.isnan(y) for y in ys):
@@ -347,15 +374,23 @@ def plot_timeline(summary: dict[str, Any], trace: list[dict[str, Any]], path: Pa
     top.set_yticks(range(len(cells)), cells)
     top.invert_yaxis()
     top.set_title("What each cell did, and the executions running", loc="left", fontsize=10)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
-    top.legend(handles, list(KIND_COLORS), fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3)
-    for m in summary.get("steps", []):
-        if "published_at_s" in m:
-            for ax in (top, bottom):
-                ax.axvline(m["published_at_s"], color="black", lw=0.6, ls=":")
-    times, counts = running_over_time(trace)
-    bottom.step(times, counts, where="post", color="#2f6db5")
-    bottom.fill_between(times, counts, step="post", alpha=0.2, color="#2f6db5")
+    handles: list[Any] = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
+    labels = list(KIND_COLORS)
+    published = [m["published_at_s"] for m in summary.get("steps", []) if "published_at_s" in m]
+    for at in published:
+        for ax in (top, bottom):
+            ax.axvline(at, color="black", lw=0.6, ls=":")
+    if published:  # the dotted lines, named: else nothing says what they mark
+        handles.append(plt.Line2D([], [], color="black", lw=0.8, ls=":"))
+        labels.append("update published")
+    top.legend(handles, labels, fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles))
+    if trace:
+        times, counts = running_over_time(trace)
+        bottom.step(times, counts, where="post", color="#2f6db5")
+        bottom.fill_between(times, counts, step="post", alpha=0.2, color="#2f6db5")
+    else:  # not a flat 0 on an axis of -0.04 to 0.04 executions: unknown, and said so
+        _say(bottom, "no execution in trace.jsonl (absent or empty): the executions running are unknown")
+        bottom.set_yticks([])
     bottom.set(xlabel="seconds since the first launch", ylabel="executions running")
     bottom.grid(alpha=0.3)
     return _save(fig, path)
@@ -426,13 +461,16 @@ def plot_eval(rounds: list[dict[str, Any]], path: Path) -> Path:
         ax.plot(
             xs, [_or_nan(r["reward_mean"]) for r in rounds], "o-", color="black", lw=2, label="mean reward"
         )
-        for task in sorted({t for r in rounds for t in r["tasks"]}):
+        # the tasks' colours skip tab10's green, the pass rate's (a third task's line was its twin)
+        palette = [c for k, c in enumerate(plt.get_cmap("tab10").colors) if k != 2]
+        for k, task in enumerate(sorted({t for r in rounds for t in r["tasks"]})):
             points = [(r["step"], _or_nan(r["tasks"][task]["reward"])) for r in rounds if task in r["tasks"]]
             scored = any(not math.isnan(y) for _, y in points)  # else a legend entry with no line: say why
             ax.plot(
                 *zip(*points, strict=True),
                 ".--",
                 alpha=0.7,
+                color=palette[k % len(palette)],
                 label=task if scored else f"{task} (none scored)",
             )
         ax.plot(xs, [r["pass_rate"] for r in rounds], "s:", color="#2a9d4b", label="pass rate")

@@ -35,6 +35,17 @@ def plot_path(path: str | Path) -> Path:
     return out
 
 
+def _time_unit(horizon_s: float) -> tuple[float, str, str, str]:
+    """(seconds per unit, symbol, name, number format) of the x axis of a plot `horizon_s` long: hours
+    from 1 h, minutes from 10 min, else seconds (a replayed run of minutes read "0.1 h" against a bound
+    of "0.1 h" on an axis of 0.00-0.12 hours)."""
+    if horizon_s >= 3600.0:
+        return 3600.0, "h", "hours", ".1f"
+    if horizon_s >= 600.0:
+        return 60.0, "min", "minutes", ".1f"
+    return 1.0, "s", "seconds", ".0f"
+
+
 _COLORS = {
     "rollout": "#dbe7f3",
     "load": "#2f6db5",
@@ -52,8 +63,9 @@ def plot_timelines(
     title: str = "",
     max_hours: float | None = None,
 ) -> Path:
-    """Draw every result's cell-role timeline into one image at `plot_path(path)` (hours on the x axis);
-    returns the file written. `max_hours`, if given, must be finite and > 0 (ValueError)."""
+    """Draw every result's cell-role timeline into one image at `plot_path(path)` (hours on the x axis,
+    minutes or seconds for a plot shorter than 1 h or 10 min); returns the file written. `max_hours`, if
+    given, must be finite and > 0 (ValueError)."""
     if max_hours is not None and not (max_hours > 0 and math.isfinite(max_hours)):
         raise ValueError(f"max_hours must be > 0 and finite, got {max_hours}")
     out = plot_path(path)
@@ -61,25 +73,31 @@ def plot_timelines(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     n = len(results)
     n_cells = max(r.n_cells for r in results)
-    horizon = max_hours or max(r.makespan_s for r in results) / 3600.0
+    longest_s = max(r.makespan_s for r in results)
+    horizon_s = max_hours * 3600.0 if max_hours else longest_s
+    unit = _time_unit(horizon_s)  # the axis's; the titles' is the whole runs' (--plot-hours zooms the axis)
     fig, axes = plt.subplots(
         n, 1, figsize=(13, 1.0 + 0.42 * n_cells * n + 0.4 * n), sharex=True, squeeze=False
     )
     for ax, result in zip(axes[:, 0], results, strict=True):
-        _draw(ax, result, capacity_per_cell, horizon)
-    axes[-1, 0].set_xlabel("time (hours)")
+        _draw(ax, result, capacity_per_cell, horizon_s, unit, _time_unit(longest_s))
+    axes[-1, 0].set_xlabel(f"time ({unit[2]})")
     handles = [
         Patch(color=_COLORS["load"], label="rollout load"),
         Patch(color=_COLORS["rollout"], label="rollout, free room"),
         Patch(color=_COLORS["to_train"], label="switching"),
         Patch(color=_COLORS["busy"], label="training"),
         Patch(color=_COLORS["train"], label="trainer waiting"),
+        Line2D([], [], color="black", linewidth=0.8, alpha=0.5, label="optimizer update"),  # the thin lines
     ]
-    fig.legend(handles=handles, loc="upper center", ncol=5, frameon=False, bbox_to_anchor=(0.5, 1.0))
+    fig.legend(
+        handles=handles, loc="upper center", ncol=len(handles), frameon=False, bbox_to_anchor=(0.5, 1.0)
+    )
     if title:
         fig.suptitle(title, y=1.0 - 0.5 / fig.get_figheight(), fontsize=10, va="top")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / fig.get_figheight()))
@@ -88,9 +106,16 @@ def plot_timelines(
     return out
 
 
-def _draw(ax: Any, result: SimResult, capacity: float, horizon: float) -> None:
+def _draw(
+    ax: Any,
+    result: SimResult,
+    capacity: float,
+    horizon_s: float,
+    unit: tuple[float, str, str, str],
+    title_unit: tuple[float, str, str, str],
+) -> None:
     tl = result.timeline
-    h = 1 / 3600.0
+    h = 1 / unit[0]
     for cell, segments in enumerate(tl.segments):
         y = cell
         for start, end, kind in segments:
@@ -110,10 +135,11 @@ def _draw(ax: Any, result: SimResult, capacity: float, horizon: float) -> None:
     ax.set_yticklabels(["core" if i == 0 else f"cell {i}" for i in range(len(tl.segments))], fontsize=7)
     ax.set_ylim(-0.6, len(tl.segments) - 0.4)
     ax.invert_yaxis()
-    ax.set_xlim(0, horizon)
+    ax.set_xlim(0, horizon_s * h)
+    seconds, symbol, _, fmt = title_unit
     ax.set_title(
-        f"{result.name}: {result.makespan_s / 3600:.1f} h, {result.utilization:.0%} utilised, "
-        f"bound {result.lower_bound_s / 3600:.1f} h, mean staleness {result.mean_staleness:.2f}",
+        f"{result.name}: {result.makespan_s / seconds:{fmt}} {symbol}, {result.utilization:.0%} utilised, "
+        f"bound {result.lower_bound_s / seconds:{fmt}} {symbol}, mean staleness {result.mean_staleness:.2f}",
         fontsize=9,
         loc="left",
     )
@@ -167,7 +193,8 @@ def plot_waste(cases: Sequence[dict[str, Any]], path: str | Path, title: str = "
         ax.set_title(preset, fontsize=9, loc="left")
         ax.set_xlabel("% of cells x makespan", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
-    axes[0, 0].set_xlim(0, widest * 1.25 + 1)
+    right = widest * 1.25 + 1
+    axes[0, 0].set_xlim(-0.02 * right, right)  # room left of 0: a bound granting 0 is a tick, not the frame
     handles = [Patch(facecolor=colour, edgecolor="#8a8a8a", label=label) for _, label, colour in _WASTE_PARTS]
     handles.append(Line2D([], [], color="black", linewidth=1.4, label="granted by the bound"))
     fig.legend(handles=handles, loc="upper center", ncol=4, frameon=False, fontsize=8)
