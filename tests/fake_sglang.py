@@ -10,6 +10,12 @@ cumulative by default or as deltas with `incremental=True`), `/abort_request`, `
 `/init_weights_update_group` + `/update_weights_from_distributed` (a real gloo broadcast from rank
 0, the group built by `weight_sync.open_group`, the recipe of SGLang's own side), `/health_generate`
 and `/get_server_info`. Like SGLang it stops at the model's eos unless `ignore_eos`.
+Like SGLang started with `--api-key` (as the engine starts it: `launch_command`'s `--config` file,
+read with `key_from_command`), it refuses with 401 `{"error": "Unauthorized"}` every request without
+`Authorization: Bearer KEY` except OPTIONS and paths starting `/health`, `/ready` or `/metrics`
+(SGLang 0.5.23 `utils/auth.py`, `decide_request_auth`, with only `api_key` set); by default it makes
+a fresh key (`api_key`), `api_key=None` is a server started without one. Refused paths are kept
+in `refused`.
 Knobs for failure tests: `hang_generate` (generate never answers), `close()` (the server is gone).
 """
 
@@ -19,16 +25,20 @@ import asyncio
 import base64
 import io
 import json
+import secrets
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gyre_ray.engines.base import EngineInputError, GenerateRequest, SamplingParams, TokenEvent
+from gyre_ray.engines.sglang.server import new_api_key
 from gyre_ray.engines.sglang.weight_sync import open_group
 from gyre_ray.engines.torch_engine import TorchEngine
 from gyre_ray.model.checkpoint import read_hf_weights
@@ -41,6 +51,46 @@ def encode_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+_NEW_KEY: Any = object()  # FakeSGLang's default: a fresh key, as the engine gives every server it starts
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang answers these without a key
+
+
+def key_from_command(argv: list[str]) -> str | None:
+    """The `api_key` SGLang takes from a `sglang.launch_server` command line: `--config FILE`'s
+    `api-key` (or `api_key`), overridden by an `--api-key` on the line itself (SGLang merges the file
+    first, then the line's arguments)."""
+    key = None
+    if "--config" in argv:
+        config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
+        key = config.get("api-key", config.get("api_key"))
+    for index, arg in enumerate(argv):
+        if arg == "--api-key":
+            key = argv[index + 1]
+        elif arg.startswith("--api-key="):
+            key = arg.split("=", 1)[1]
+    return None if key is None else str(key)
+
+
+class _RequireKey:
+    """ASGI middleware: SGLang's check of `Authorization: Bearer KEY` (with only `api_key` configured)."""
+
+    def __init__(self, app: Any, fake: FakeSGLang) -> None:
+        self.app = app
+        self.fake = fake
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        fake = self.fake
+        if scope["type"] == "http" and fake.api_key is not None:
+            request = Request(scope, receive=receive)
+            if request.method != "OPTIONS" and not request.url.path.startswith(_OPEN_PREFIXES):
+                scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+                if scheme.lower() != "bearer" or not secrets.compare_digest(token, fake.api_key):
+                    fake.refused.append(request.url.path)
+                    await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
 class FakeSGLang:
     """The fake server on a free loopback port; `url`, `calls` (route, body) and knobs.
 
@@ -48,9 +98,17 @@ class FakeSGLang:
     there): without it the tiny model can finish a request before an abort sent after its first
     tokens gets there, and tests of aborts and moves race the machine's speed."""
 
-    def __init__(self, engine: TorchEngine, incremental: bool = False, token_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine: TorchEngine,
+        incremental: bool = False,
+        token_delay_s: float = 0.0,
+        api_key: str | None = _NEW_KEY,
+    ) -> None:
         import uvicorn
 
+        self.api_key: str | None = new_api_key() if api_key is _NEW_KEY else api_key
+        self.refused: list[str] = []  # paths refused for a missing or wrong key
         self.engine = engine
         self.args = engine.args
         self.incremental = incremental
@@ -163,6 +221,7 @@ class FakeSGLang:
     # ---- the app --------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:  # noqa: C901 - one route per SGLang endpoint
         app = FastAPI()
+        app.add_middleware(_RequireKey, fake=self)
         fake = self
 
         @app.post("/generate")

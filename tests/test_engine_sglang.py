@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_sglang import FakeSGLang, encode_tensors
+from fake_sglang import FakeSGLang, encode_tensors, key_from_command
 
 from gyre_ray.cells.cell import Migrated, RolloutCell, TokenBatch
 from gyre_ray.engines.base import ABORT_TOKEN_ID, EngineInputError, GenerateRequest, SamplingParams
@@ -23,7 +23,13 @@ from gyre_ray.engines.config import EngineSection, SGLangOptions
 from gyre_ray.engines.factory import make_engine
 from gyre_ray.engines.sglang import SGLangClient, SGLangEngine, SGLangServerError, SGLangUnavailableError
 from gyre_ray.engines.sglang.protocol import ChunkReader, token_versions
-from gyre_ray.engines.sglang.server import check_available, launch_command
+from gyre_ray.engines.sglang.server import (
+    SGLangServer,
+    check_available,
+    launch_command,
+    new_api_key,
+    write_key_config,
+)
 from gyre_ray.engines.sglang.weight_sync import WeightBroadcaster, buckets
 from gyre_ray.engines.testing import GREEDY, generate_alone, small_engine, small_model, token_prompt
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM
@@ -45,7 +51,11 @@ def fake(model: Qwen3ForCausalLM) -> Iterator[FakeSGLang]:
 def sglang_engine(fake: FakeSGLang, **options) -> SGLangEngine:
     args = fake.args
     client = SGLangClient(
-        fake.url, "cell-7", connect_timeout_s=2.0, request_timeout_s=options.pop("timeout", 60)
+        fake.url,
+        "cell-7",
+        connect_timeout_s=2.0,
+        request_timeout_s=options.pop("timeout", 60),
+        api_key=fake.api_key,  # what the cell holds for the server it started
     )
     return SGLangEngine(
         client, vocab_size=args.vocab_size, max_context=args.max_position_embeddings, **options
@@ -283,7 +293,9 @@ def test_bad_input_is_refused_locally_and_by_the_server(fake: FakeSGLang) -> Non
         asyncio.run(engine.generate(GenerateRequest("v", [1, 2, 9999], GREEDY)))
     assert not fake.calls  # never sent
     wide = SGLangEngine(  # believes in a larger vocabulary than the server's model has
-        SGLangClient(fake.url, "cell-3"), vocab_size=10_000, max_context=fake.args.max_position_embeddings
+        SGLangClient(fake.url, "cell-3", api_key=fake.api_key),
+        vocab_size=10_000,
+        max_context=fake.args.max_position_embeddings,
     )
     with pytest.raises(EngineInputError, match="cell cell-3: SGLang server .*refused the request"):
         asyncio.run(wide.generate(GenerateRequest("v2", [1, 2, 9999], GREEDY)))
@@ -330,8 +342,12 @@ def test_chunk_reader_tells_cumulative_from_delta_chunks() -> None:
         delta.new_tokens(chunk([7, 8], 9))
 
 
-def test_make_engine_connects_to_a_configured_server(fake: FakeSGLang, model) -> None:
-    section = EngineSection(backend="sglang", sglang=SGLangOptions(url=fake.url))
+def test_make_engine_connects_to_a_configured_server(
+    fake: FakeSGLang, model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GYRE_TEST_SGLANG_KEY", fake.api_key)
+    options = SGLangOptions(url=fake.url, api_key_env="GYRE_TEST_SGLANG_KEY")
+    section = EngineSection(backend="sglang", sglang=options)
     engine = make_engine(section, model, model.args, version=2, stop_token_ids=[], cell_id="cell-1")
     try:
         result = asyncio.run(engine.generate(GenerateRequest("mk", token_prompt(5), GREEDY)))
@@ -372,7 +388,13 @@ def test_a_rollout_cell_drains_an_sglang_request_to_a_torch_cell(fake: FakeSGLan
 def test_launch_command_and_missing_pieces_are_explained() -> None:
     options = SGLangOptions(mem_fraction_static=0.5, extra_args=["--dtype", "float32"])
     command = launch_command(
-        "/models/m", 31234, options, gpu_count=2, max_running_requests=8, radix_cache=False
+        "/models/m",
+        31234,
+        options,
+        gpu_count=2,
+        max_running_requests=8,
+        radix_cache=False,
+        key_config="/k.yaml",
     )
     joined = " ".join(command)
     assert (
@@ -381,8 +403,12 @@ def test_launch_command_and_missing_pieces_are_explained() -> None:
     assert "--skip-tokenizer-init" in command and "--enable-memory-saver" in command
     assert "--disable-radix-cache" in command and command[-2:] == ["--dtype", "float32"]
     assert "--max-running-requests 8" in joined and "--mem-fraction-static 0.5" in joined
+    assert "--config /k.yaml" in joined
     with pytest.raises(ValueError, match="exceeds the bundle's 1 GPU"):
-        launch_command("/m", 1, SGLangOptions(tp_size=2), gpu_count=1, max_running_requests=1)
+        launch_command("/m", 1, SGLangOptions(tp_size=2), gpu_count=1, max_running_requests=1, key_config="k")
+    for flag in ("--api-key", "--admin-api-key=x", "--config"):  # the engine's key must stay the only one
+        with pytest.raises(ValueError, match=f"extra_args may not hold {flag.split('=')[0]}"):
+            launch_command("/m", 1, SGLangOptions(extra_args=[flag, "x"]), 1, 1, key_config="k")
     if importlib.util.find_spec("sglang") is None:
         with pytest.raises(
             SGLangUnavailableError, match="cell cell-4: engine.backend=sglang needs the sglang"
@@ -480,6 +506,63 @@ def test_a_request_moved_twice_keeps_its_prompt_and_all_its_output(fake: FakeSGL
     assert second.output_ids + rest == want.output_ids
 
 
+def test_the_server_refuses_a_caller_without_its_key_but_answers_health_checks(fake: FakeSGLang) -> None:
+    for key in (None, "gyre-wrong"):
+        stranger = SGLangEngine(
+            SGLangClient(fake.url, "cell-x", api_key=key), vocab_size=fake.args.vocab_size, max_context=64
+        )
+        with pytest.raises(
+            SGLangServerError, match=r"cell cell-x: .*/generate answered HTTP 401: Unauthorized"
+        ):
+            asyncio.run(stranger.generate(GenerateRequest("s", token_prompt(4), GREEDY)))
+        with pytest.raises(SGLangServerError, match="abort_request answered HTTP 401"):
+            asyncio.run(stranger.client.abort(None))
+        with pytest.raises(SGLangServerError, match="release_memory_occupation answered HTTP 401"):
+            asyncio.run(stranger.release_memory())
+        with pytest.raises(SGLangServerError, match="update_weights_from_disk answered HTTP 401"):
+            asyncio.run(stranger.client.update_weights_from_disk("/tmp", 9))
+        with pytest.raises(SGLangServerError, match="get_server_info answered HTTP 401"):
+            asyncio.run(stranger.client.server_info())
+        assert asyncio.run(stranger.client.healthy())  # /health* stays open, as in SGLang
+    assert not fake.calls  # nothing got past the key check
+    assert fake.refused.count("/abort_request") == 2
+    engine = sglang_engine(fake)  # the holder of the key
+    assert asyncio.run(engine.client.server_info())["weight_version"] == "0"
+
+
+def test_the_key_reaches_the_server_in_a_private_file_not_on_its_command_line(tmp_path: Path) -> None:
+    key = new_api_key()
+    assert key != new_api_key() and not key.startswith("-") and len(key) >= 40
+    folder = tmp_path / "key"
+    folder.mkdir(mode=0o700)
+    key_file = write_key_config(key, folder)
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    command = launch_command("/m", 1, SGLangOptions(), 1, 4, key_config=key_file)
+    assert key not in " ".join(command)  # /proc/PID/cmdline is readable by every uid
+    assert key_from_command(command) == key  # what SGLang's --config merge makes of it
+    with pytest.raises(FileExistsError):  # never written into a file someone else left there
+        write_key_config(key, folder)
+    backing = small_engine(small_model())
+    server = FakeSGLang(backing, api_key=key_from_command(command))
+    try:
+        client = SGLangClient(server.url, "cell-k", api_key=key)
+        assert asyncio.run(client.server_info())["weight_version"] == "0"
+        with pytest.raises(SGLangServerError, match="401"):
+            asyncio.run(SGLangClient(server.url, "cell-k").server_info())
+    finally:
+        server.close()
+        backing.shutdown()
+
+
+def test_a_configured_servers_key_must_be_in_the_named_variable(
+    model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GYRE_TEST_NO_KEY", raising=False)
+    options = SGLangOptions(url="http://127.0.0.1:9", api_key_env="GYRE_TEST_NO_KEY")
+    with pytest.raises(ValueError, match="cell cell-1: engine.sglang.api_key_env='GYRE_TEST_NO_KEY' names"):
+        make_engine(EngineSection(backend="sglang", sglang=options), model, model.args, cell_id="cell-1")
+
+
 HEALTH_SERVER = """
 import http.server, sys
 class Health(http.server.BaseHTTPRequestHandler):
@@ -495,39 +578,47 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 def test_a_started_server_is_waited_for_and_stopped_with_its_folders(tmp_path: Path) -> None:
     import sys
 
-    from gyre_ray.engines.sglang.server import SGLangServer
     from gyre_ray.ports import free_port
 
     port = free_port()
     owned = tmp_path / "model"
     owned.mkdir()
+    key_dir = tmp_path / "key"
+    key_dir.mkdir()
+    key_file = write_key_config("gyre-k", key_dir)
     server = SGLangServer(
-        [sys.executable, "-c", HEALTH_SERVER, str(port)], f"http://127.0.0.1:{port}", ["3"], "cell-9", [owned]
-    )
+        [sys.executable, "-c", HEALTH_SERVER, str(port)], f"http://127.0.0.1:{port}", ["3"], "cell-9",
+        [owned, key_dir], api_key="gyre-k", key_file=key_file,
+    )  # fmt: skip
     server.start()
     try:
         server.wait_healthy(timeout_s=30, poll_s=0.1)
+        assert not key_file.exists()  # read at start: gone once the server answers
         process = server.process
         assert process is not None and process.poll() is None
     finally:
         server.stop()
-    assert process.poll() is not None and not owned.exists()
+    assert process.poll() is not None and not owned.exists() and not key_dir.exists()
     server.stop()  # twice is fine
 
 
 def test_a_server_that_dies_while_starting_is_reported_with_its_log() -> None:
     import sys
 
-    from gyre_ray.engines.sglang.server import SGLangServer
-
-    code = "import sys; print('CUDA error: no device'); sys.exit(3)"
-    server = SGLangServer([sys.executable, "-c", code], "http://127.0.0.1:9", ["0"], "cell-2")
+    code = (  # SGLang logs its server_args, key included, before it fails
+        "import sys; print(\"server_args={'api_key': 'gyre-s3cret'}\"); print('CUDA error: no device'); "
+        "sys.exit(3)"
+    )
+    server = SGLangServer(
+        [sys.executable, "-c", code], "http://127.0.0.1:9", ["0"], "cell-2", api_key="gyre-s3cret"
+    )
     server.start()
     with pytest.raises(
         SGLangServerError, match=r"(?s)cell cell-2: the SGLang server exited with code 3.*no device"
-    ):
+    ) as failed:
         server.wait_healthy(timeout_s=30, poll_s=0.1)
     server.stop()
+    assert "gyre-s3cret" not in str(failed.value) and "'api_key': '<api-key>'" in str(failed.value)
 
 
 def test_a_cells_engine_factory_gives_sglang_the_folder_without_loading_the_weights(
@@ -547,7 +638,9 @@ def test_a_cells_engine_factory_gives_sglang_the_folder_without_loading_the_weig
         raise AssertionError("the policy's weights were loaded for an SGLang cell")
 
     monkeypatch.setattr(gyre_ray.model, "load_policy", no_weights)
-    factory = PolicyEngineFactory({"path": str(folder)}, {"backend": "sglang", "sglang": {"url": server.url}})
+    monkeypatch.setenv("GYRE_TEST_SGLANG_KEY", server.api_key)
+    sglang = {"url": server.url, "api_key_env": "GYRE_TEST_SGLANG_KEY"}
+    factory = PolicyEngineFactory({"path": str(folder)}, {"backend": "sglang", "sglang": sglang})
     try:
         engine = factory()
         request = GenerateRequest("pf", token_prompt(6), GREEDY)

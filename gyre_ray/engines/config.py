@@ -17,6 +17,13 @@ class SGLangOptions(Section):
         description="Base URL of an SGLang server to use (e.g. http://10.0.0.5:30000); unset: the cell "
         "starts its own server on the GPUs of its bundle and stops it with the cell.",
     )
+    api_key_env: str | None = Field(
+        None,
+        min_length=1,
+        description="With url: the environment variable (in the cell's process) holding that server's "
+        "--api-key, sent as 'Authorization: Bearer'; unset sends none. A server the cell starts always "
+        "gets a fresh random key of its own, which only the cell holds.",
+    )
     tp_size: int = Field(
         0, ge=0, description="Tensor-parallel size of the started server; 0 = every GPU of the cell's bundle."
     )

@@ -3,13 +3,18 @@
 `launch_engine` is what `make_engine` calls inside a cell: it finds the cell's name and GPUs
 (Ray's actor name and `ray.get_gpu_ids()` inside a cell actor), starts `sglang.launch_server`
 on them (or connects to `engine.sglang.url`), waits until it is healthy and returns an
-`SGLangEngine` that stops the server on `shutdown`. Real SGLang needs a CUDA GPU; without one
-(or without the package) this raises `SGLangUnavailableError` saying which is missing.
+`SGLangEngine` that stops the server on `shutdown`. A server it starts gets a fresh random API key
+(given to SGLang in a 0600 `--config` file, never on the command line) that only this cell's client
+holds, so no other process on the machine (an agent's execution included) can call the server's
+routes; a server at `engine.sglang.url` gets the key named by `engine.sglang.api_key_env`. Real
+SGLang needs a CUDA GPU; without one (or without the package) this raises `SGLangUnavailableError`
+saying which is missing.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +27,8 @@ from gyre_ray.engines.sglang.server import (
     SGLangUnavailableError,
     check_available,
     launch_command,
+    new_api_key,
+    write_key_config,
 )
 from gyre_ray.ports import free_port
 
@@ -54,6 +61,19 @@ def _cell_context() -> tuple[str, list[str]]:
     return "engine", [str(i) for i in range(torch.cuda.device_count())]
 
 
+def _external_key(variable: str | None, cell_id: str) -> str | None:
+    """The key of a server at engine.sglang.url: the value of `variable` in this process (None: no key)."""
+    if variable is None:
+        return None
+    key = os.environ.get(variable)
+    if not key:
+        raise ValueError(
+            f"cell {cell_id}: engine.sglang.api_key_env={variable!r} names an environment variable that is "
+            "unset or empty in this process"
+        )
+    return key
+
+
 def launch_engine(
     section: EngineSection,
     model: Any,
@@ -80,6 +100,7 @@ def launch_engine(
     owned: list[str] = []
     if options.url:
         url = options.url
+        api_key = _external_key(options.api_key_env, cell_id)
     else:
         check_available(cell_id, gpus)
         if model_dir is None:
@@ -91,15 +112,27 @@ def launch_engine(
             owned.append(model_dir)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        command = launch_command(
-            model_dir,
-            port,
-            options,
-            gpu_count=len(gpus),
-            max_running_requests=section.max_batch_size,
-            radix_cache=section.prefix_cache_tokens > 0,
+        api_key = new_api_key()
+        key_dir = tempfile.mkdtemp(prefix=f"gyre-sglang-{cell_id}-key-")  # 0700, this uid's
+        owned.append(key_dir)
+        try:
+            key_file = write_key_config(api_key, key_dir)
+            command = launch_command(
+                model_dir,
+                port,
+                options,
+                gpu_count=len(gpus),
+                max_running_requests=section.max_batch_size,
+                radix_cache=section.prefix_cache_tokens > 0,
+                key_config=key_file,
+            )
+        except BaseException:  # e.g. a refused extra_args: leave no folder behind
+            for folder in owned:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+        server = SGLangServer(
+            command, url, gpus, cell_id, owned_dirs=owned, api_key=api_key, key_file=key_file
         )
-        server = SGLangServer(command, url, gpus, cell_id, owned_dirs=owned)
     if server is not None:
         server.start()
         try:
@@ -107,7 +140,7 @@ def launch_engine(
         except BaseException:
             server.stop()
             raise
-    client = SGLangClient(url, cell_id, options.connect_timeout_s, options.request_timeout_s)
+    client = SGLangClient(url, cell_id, options.connect_timeout_s, options.request_timeout_s, api_key=api_key)
     return SGLangEngine(
         client,
         vocab_size=args.vocab_size,

@@ -4,9 +4,11 @@ One method per route the engine uses: `/generate` (streamed as server-sent event
 reply), `/abort_request`, `/flush_cache`, `/release_memory_occupation` and
 `/resume_memory_occupation`, `/update_weights_from_disk`, `/update_weights_from_tensor`,
 `/init_weights_update_group` and `/update_weights_from_distributed`, `/health_generate` and
-`/get_server_info`. Every failure is an `SGLangServerError` naming the cell and the server URL
-(a refused generate request is an `EngineInputError`), and every call is bounded by the connect
-and request timeouts, so a dead server fails a call instead of hanging it.
+`/get_server_info`. With `api_key` (the server's `--api-key`) every request carries
+`Authorization: Bearer KEY`; a server that refuses it answers 401, an `SGLangServerError` that
+says so. Every failure is an `SGLangServerError` naming the cell and the server URL (a refused
+generate request is an `EngineInputError`), and every call is bounded by the connect and request
+timeouts, so a dead server fails a call instead of hanging it.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ class SGLangClient:
         cell_id: str = "engine",
         connect_timeout_s: float = 10.0,
         request_timeout_s: float = 3600.0,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.cell_id = cell_id
         self.timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
 
     # ---- plumbing -------------------------------------------------------------------------------
@@ -50,7 +54,9 @@ class SGLangClient:
         if client is None:
             for old in [lp for lp in self._clients if lp.is_closed()]:
                 self._clients.pop(old)
-            client = self._clients[loop] = httpx.AsyncClient(base_url=self.url, timeout=self.timeout)
+            client = self._clients[loop] = httpx.AsyncClient(
+                base_url=self.url, timeout=self.timeout, headers=self._headers
+            )
         return client
 
     def _failure(self, route: str, exc: Exception) -> SGLangServerError:
@@ -83,12 +89,20 @@ class SGLangClient:
         except ValueError:
             payload = response.text
         if response.status_code >= 400 and not (ok_400 and response.status_code == 400):
-            raise SGLangServerError(
-                f"{self._where(route)} answered HTTP {response.status_code}: {_message(payload)}"
-            )
+            raise SGLangServerError(self._refusal(route, response.status_code, payload))
         if isinstance(payload, dict) and payload.get("success") is False:
             raise SGLangServerError(f"{self._where(route)} refused: {payload.get('message', payload)}")
         return payload
+
+    def _refusal(self, route: str, status: int, payload: Any) -> str:
+        said = f"{self._where(route)} answered HTTP {status}: {_message(payload)}"
+        if status in (401, 403):
+            given = "the engine's API key" if self._headers else "no API key"
+            said += (
+                f" (it refused {given}; a server at engine.sglang.url takes its key from "
+                "engine.sglang.api_key_env)"
+            )
+        return said
 
     async def close(self) -> None:
         clients, self._clients = self._clients, {}
@@ -114,10 +128,7 @@ class SGLangClient:
                 if response.status_code >= 400:
                     await response.aread()
                     kind = EngineInputError if response.status_code == 400 else SGLangServerError
-                    raise kind(
-                        f"{self._where('/generate')} answered HTTP {response.status_code}: "
-                        f"{_message(response)}"
-                    )
+                    raise kind(self._refusal("/generate", response.status_code, response))
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
