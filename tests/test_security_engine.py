@@ -3,29 +3,13 @@ asks for a key the agent does not have)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
+from security_cases import NOWHERE, needs_root, py
+from security_cases import task as make_task
 
-from gyre_ray.agents.runner import Endpoint, run_execution
-from gyre_ray.agents.sandbox import can_create_users
-from gyre_ray.envs.base import EvalResult, Task
-
-needs_root = pytest.mark.skipif(
-    not can_create_users() and os.environ.get("CI") != "true", reason="needs root and useradd"
-)
-NOWHERE = Endpoint("http://127.0.0.1:9", "key-of-nobody")
-
-
-def _py(code: str) -> list[str]:
-    return [sys.executable, "-c", code]
-
-
-def _task(prompt: str = "do it", **kw) -> Task:
-    return Task("t", prompt, evaluate=kw.pop("evaluate", lambda ws: EvalResult(0.5)), **kw)
-
+from gyre_ray.agents.runner import run_execution
 
 # ---- the rollout engine wants a key only its cell holds --------------------------------------------
 
@@ -109,7 +93,7 @@ def test_a_sandboxed_agent_cannot_reach_the_rollout_engine_directly(exec_tmp: Pa
     fake = FakeSGLang(backing, api_key=new_api_key())
     try:
         out = run_execution(
-            "S", _task(), NOWHERE, exec_tmp / "workspaces" / "S", command=_py(SCAN_AND_ABORT), timeout_s=60
+            "S", make_task(), NOWHERE, exec_tmp / "workspaces" / "S", command=py(SCAN_AND_ABORT), timeout_s=60
         )
     finally:
         fake.close()

@@ -16,6 +16,7 @@ with its reason, never an exception:
 from __future__ import annotations
 
 import re
+import shutil
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -103,6 +104,17 @@ class _Options:
 START_FAILURE = re.compile(r"gyre-ray: cannot start ('[^'\n]*'|\"[^\"\n]*\"): ([^\n]*)")
 
 
+def clear_stale(*paths: Path) -> None:
+    """Remove what an earlier run left at `paths` (a rerun of `gyre-ray eval --out DIR` reuses its
+    execution folders): the job seeds and writes them as root, and must not write through a link that
+    run's agent planted. Links are removed, never followed (`shutil.rmtree` works by file descriptor)."""
+    for path in paths:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+
+
 def run_execution(
     execution_id: str,
     task: Task,
@@ -142,6 +154,10 @@ def _run(
 ) -> ExecutionOutcome:
     home, tmp = workspace.parent / f"{workspace.name}.home", workspace.parent / f"{workspace.name}.tmp"
     scratch = workspace.parent / f"{workspace.name}.eval"
+    log_path = workspace.parent / f"{workspace.name}.log"
+    clear_stale(
+        workspace, home, tmp, scratch, log_path
+    )  # the job writes there as root: nothing of a run before
     task.seed_workspace(workspace)
     for rel, text in opts.home_files.items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -150,7 +166,6 @@ def _run(
     hidden = getattr(task.evaluate, "hidden", None)
     if hidden is not None and identity.dedicated:
         make_private(hidden)  # the agent never sees the hidden tests, not even where the task file is
-    log_path = workspace.parent / f"{workspace.name}.log"
     values = {
         "OPENAI_BASE_URL": endpoint.base_url.rstrip("/") + "/v1",
         "OPENAI_API_KEY": endpoint.api_key,
@@ -172,17 +187,22 @@ def _run(
     calls = count_calls(endpoint, execution_id) if opts.require_calls else None
     reason = _harness_reason(finished)
 
+    # the evaluator gets a HOME and TMPDIR of its own, not the agent's (where a `.pth`, a .gitconfig or
+    # a shell profile the agent left would run inside the judge), and no user site-packages
+    eval_home, eval_tmp = scratch / "home", scratch / "tmp"
+
     def run_command(cmd: list[str], cwd: Path, timeout: float, extra: dict[str, str]):
+        env = harness_env(identity, eval_home, eval_tmp, {**extra, "PYTHONNOUSERSITE": "1"})
         return supervise(
-            cmd, identity=identity, cwd=cwd, env=harness_env(identity, home, tmp, extra),
-            log_path=scratch / "evaluator.log", timeout_s=timeout, limits=opts.limits, watch=watch + [scratch],
+            cmd, identity=identity, cwd=cwd, env=env, log_path=scratch / "evaluator.log",
+            timeout_s=timeout, limits=opts.limits, watch=watch + [scratch],
         )  # fmt: skip
 
     start_eval = time.monotonic()
     if calls == 0:
         result = EvalResult(0.0, valid=False, detail="no model calls: nothing to train on")
     else:
-        prepare_folders(identity, scratch)
+        prepare_folders(identity, eval_home, eval_tmp, scratch)  # (scratch last: it closes 0700)
         result = evaluate_with_retries(task, EvalContext(workspace, scratch, run_command), opts.eval_budget_s)
     tail = log_path.read_bytes()[-2000:].decode(errors="replace") if log_path.exists() else ""
     reasons = [r for r in (reason, "" if result.valid else result.detail) if r]

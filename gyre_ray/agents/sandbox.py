@@ -9,8 +9,12 @@ An execution runs untrusted code (the agent under training, and whatever it writ
   still apply, but another execution's files are then protected only by the path being unknown.
 - **Its own folders**: workspace, HOME and TMPDIR, owned by its uid, mode 0700; ancestors of the
   workspace get `o+x` (traverse, never list) so the uid can reach them. When the execution ends
-  its folders are handed back to the job's uid, and what its uid left in /tmp, /var/tmp, /dev/shm is
-  removed, so the next execution that draws the same uid can read none of it.
+  its folders are handed back to the job's uid. Its shared scratch folders (/tmp, /var/tmp,
+  /dev/shm, /run/lock, ...: `scratch_roots`) and SysV IPC are its own: the limits wrapper mounts a
+  private tmpfs over them (one, `agents.max_disk_mb` in size) in a mount and IPC namespace of its own,
+  gone with its last process. Where the host refuses that, what its uid left in those folders and
+  its SysV IPC objects are removed at reclaim, so the next execution that draws the same uid can
+  read none of it.
 - **An environment allowlist** (`harness_env`): PATH, locale, HOME/TMPDIR, the proxy's URLs and the
   execution's own key, and the variables a config names; never the job's secrets.
 - **Limits** (`gyre_ray.agents.limits` applies rlimits in the child; `supervise` watches the rest).
@@ -21,6 +25,7 @@ An execution runs untrusted code (the agent under training, and whatever it writ
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import grp
 import os
@@ -38,6 +43,12 @@ USER_PREFIX = "gyre-exec-"
 GROUP = "gyre-exec"  # the pool users' shared primary group: may traverse what they need to reach
 LOCK_DIR = Path(os.environ.get("GYRE_SANDBOX_LOCK_DIR", "/tmp/gyre-ray-sandbox"))
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# more folders any user may write on common systems (where present and not links): with a private
+# mount namespace (`gyre_ray.agents.limits`) the execution gets its own tmpfs at each of these; without
+# one (a host that refuses the mount) what its uid leaves there is removed at reclaim
+MORE_SCRATCH_DIRS = ("/run/lock", "/var/lock", "/var/crash", "/run/shm", "/dev/mqueue")
+RAM_FS = frozenset(("tmpfs", "ramfs", "hugetlbfs"))  # a file there is memory, not disk
+IPC_RMID = 0
 BASE_ENV_NAMES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
@@ -137,6 +148,10 @@ def acquire_identity(isolation: str) -> Identity:
             raise
         identity = Identity(entry.pw_uid, entry.pw_gid, entry.pw_name, dedicated=True, lock_fd=fd)
         kill_all(identity, None)  # anything a crashed earlier holder left behind
+        if os.fstat(fd).st_size:  # marked held, never reclaimed (its job died): remove what it left
+            _remove_scratch(identity.uid, gid=identity.gid)
+            _remove_ipc(identity.uid)
+        os.pwrite(fd, b"held", 0)  # cleared by `reclaim` once the slot is clean again
         return identity
     raise SandboxError("no free sandbox user slot")
 
@@ -154,6 +169,8 @@ def grant_traverse(path: Path, gid: int) -> None:
             )
         os.chown(parent, -1, gid)
         os.chmod(parent, (st.st_mode & 0o7707) | 0o010)
+        global _scanned
+        _scanned = None  # what the pool may reach grew: search for writable folders again
 
 
 def grant_runtime(identity: Identity, command: list[str]) -> None:
@@ -196,23 +213,40 @@ def _chown_tree(root: Path, uid: int, gid: int) -> None:
 
 
 def reclaim(identity: Identity) -> None:
-    """After the execution: its folders back to the job's uid, its scratch files removed, its slot freed."""
+    """After the execution: its folders back to the job's uid, what its uid left in shared scratch and
+    its SysV IPC objects removed, its slot freed."""
     try:
         if identity.dedicated:
             for folder in identity.folders:
                 if folder.exists():
                     _chown_tree(folder, os.geteuid(), os.getegid())
             _remove_scratch(identity.uid, gid=identity.gid)
+            _remove_ipc(identity.uid)
+            if identity.lock_fd is not None:
+                os.ftruncate(identity.lock_fd, 0)  # clean: the next holder need not search again
     finally:
         identity.release()
 
 
-def _remove_scratch(uid: int, roots: tuple[str, ...] = SCRATCH_DIRS, gid: int | None = None) -> None:
-    """Remove whatever `uid` owns anywhere under the shared scratch folders, at any depth (a file the
-    execution left in a world-writable folder such as /tmp/ray/ would reach the slot's next holder).
-    Links are removed, never followed. Only what the uid could reach is read: folders it may not
-    traverse are skipped, and only the entries of folders it may write are looked at (a full walk of
-    a busy /tmp took 0.6 s per execution)."""
+def _remove_scratch(uid: int, roots: tuple[str, ...] | None = None, gid: int | None = None) -> None:
+    """Remove whatever `uid` owns anywhere under the shared scratch folders (`roots`, by default
+    `scratch_roots()`), at any depth (a file the execution left in a world-writable folder such as
+    /tmp/ray/ would reach the slot's next holder). Links are removed, never followed."""
+    for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid):
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None):
+    """(entry, lstat) of each entry `uid` owns in a folder under `roots` it may write (what it may have
+    left there; an owned folder is one entry, not entered). Only what the uid could reach is read:
+    folders it may not traverse are skipped, and only the entries of folders it may write are looked
+    at (a full walk of a busy /tmp took 0.6 s per execution)."""
     stack = list(roots)
     while stack:
         folder = stack.pop()
@@ -226,15 +260,115 @@ def _remove_scratch(uid: int, roots: tuple[str, ...] = SCRATCH_DIRS, gid: int | 
         writable = _may(st, uid, gid, 0o2)
         for entry in entries:
             try:
-                if writable and entry.stat(follow_symlinks=False).st_uid == uid:
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                    else:
-                        os.unlink(entry.path)
+                if writable and (entry_st := entry.stat(follow_symlinks=False)).st_uid == uid:
+                    yield entry, entry_st
                 elif entry.is_dir(follow_symlinks=False):
                     stack.append(entry.path)
             except OSError:
                 continue
+
+
+def scratch_usage(uid: int, gid: int | None, roots: tuple[str, ...] | None = None) -> tuple[float, float]:
+    """MiB allocated to what `uid` owns in shared scratch (`roots`, by default `scratch_roots()`; a
+    folder it owns there counted whole), and how much of that is memory (tmpfs, e.g. /dev/shm)."""
+    ram_devs = _scan()[1]
+    total = ram = 0
+    seen: set[tuple[int, int]] = set()  # a file linked twice counts once
+    for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid):
+        statuses = [st]
+        if stat.S_ISDIR(st.st_mode):
+            for dirpath, dirnames, filenames in os.walk(entry.path):
+                for name in dirnames + filenames:
+                    try:
+                        statuses.append(os.lstat(os.path.join(dirpath, name)))
+                    except OSError:
+                        continue
+        for one in statuses:
+            if one.st_nlink > 1 and not stat.S_ISDIR(one.st_mode):
+                if (one.st_dev, one.st_ino) in seen:
+                    continue
+                seen.add((one.st_dev, one.st_ino))
+            size = one.st_blocks * 512
+            total += size
+            if one.st_dev in ram_devs:
+                ram += size
+    return total / (1 << 20), ram / (1 << 20)
+
+
+_scanned: tuple[tuple[str, ...], frozenset[int]] | None = None
+
+
+def scratch_roots() -> tuple[str, ...]:
+    """The folders where an execution's uid may leave files outside its own: those of SCRATCH_DIRS and
+    MORE_SCRATCH_DIRS that are folders here (not links), found once per process."""
+    return _scan()[0]
+
+
+def _scan() -> tuple[tuple[str, ...], frozenset[int]]:
+    """`scratch_roots` and the devices of the memory file systems (tmpfs), found on first use."""
+    global _scanned
+    if _scanned is not None:
+        return _scanned
+    ram_devs: set[int] = set()
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        try:
+            if (rest.split() or [""])[0] in RAM_FS:
+                major, minor = fields.split()[2].split(":")
+                ram_devs.add(os.makedev(int(major), int(minor)))
+        except (ValueError, IndexError):
+            continue
+    found = []
+    for path in SCRATCH_DIRS + MORE_SCRATCH_DIRS:
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                found.append(path)
+        except OSError:
+            continue
+    _scanned = (tuple(found), frozenset(ram_devs))
+    return _scanned
+
+
+def _sysv_ipc(uid: int):
+    """(kind, id, row) of each SysV IPC object `uid` owns or created ('shm', 'sem' or 'msg'; row: its
+    line of /proc/sysvipc/<kind> by column)."""
+    for kind in ("shm", "sem", "msg"):
+        try:
+            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        except OSError:
+            continue
+        header = lines[0].split() if lines else []
+        for line in lines[1:]:
+            row = dict(zip(header, line.split(), strict=False))
+            try:
+                if uid in (int(row["uid"]), int(row["cuid"])):  # an owner may give it away (IPC_SET)
+                    yield kind, int(row[header[1]]), row  # shmid, semid or msqid
+            except (KeyError, ValueError, IndexError):
+                continue
+
+
+def _remove_ipc(uid: int) -> None:
+    """Remove every SysV shared-memory segment, semaphore set and message queue of `uid` (they outlive
+    its processes: the next holder of the uid would attach to them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, ident, _ in list(_sysv_ipc(uid)):
+        if kind == "shm":
+            libc.shmctl(ident, IPC_RMID, None)
+        elif kind == "sem":
+            libc.semctl(ident, 0, IPC_RMID)
+        else:
+            libc.msgctl(ident, IPC_RMID, None)
+
+
+def detached_shm_mb(uid: int) -> float:
+    """MiB resident in `uid`'s SysV shared-memory segments that no process has attached (memory of no
+    process: an attached one is in its resident memory)."""
+    rows = (row for kind, _, row in _sysv_ipc(uid) if kind == "shm" and row.get("nattch") == "0")
+    return sum(int(row.get("rss", 0)) for row in rows) / (1 << 20)
 
 
 def _may(st: os.stat_result, uid: int, gid: int | None, bit: int) -> bool:
@@ -259,10 +393,21 @@ def harness_env(
     return env
 
 
-def limited_command(command: list[str], limits: Limits, dedicated: bool) -> list[str]:
-    """`command` behind the rlimit wrapper (process count only with a uid of its own: it is per uid)."""
-    wrapper = [sys.executable, "-m", "gyre_ray.agents.limits"]
-    wrapper += ["--nproc", str(limits.max_processes if dedicated else 0)]
+def limited_command(command: list[str], limits: Limits, identity: Identity, cwd: Path) -> list[str]:
+    """`command` behind the rlimit wrapper, run in `cwd`; with a uid of its own the wrapper starts as
+    root (isolated: `-I`), gives it a private /proc, becomes the uid and only then enters `cwd` (and only
+    then is the process count, per uid, limited)."""
+    wrapper = [sys.executable, "-I", "-m", "gyre_ray.agents.limits", "--cwd", str(cwd)]
+    if identity.dedicated:  # its private /tmp (and /dev/shm, ...) holds at most its disk limit
+        wrapper += [
+            "--uid",
+            str(identity.uid),
+            "--gid",
+            str(identity.gid),
+            "--scratch-mb",
+            str(limits.max_disk_mb),
+        ]
+    wrapper += ["--nproc", str(limits.max_processes if identity.dedicated else 0)]
     wrapper += ["--fsize-mb", str(limits.max_file_mb), "--"]
     return wrapper + list(command)
 
@@ -358,19 +503,76 @@ def make_private(path: Path) -> None:
 
 def close_hidden_tests(hidden: list[Path]) -> list[Path]:
     """Close every task's hidden tests to the sandbox users (not only the running task's), and the git
-    repository they sit in, whose objects hold them too; returns the repositories closed."""
+    repository they sit in, whose objects hold them too; returns the repositories closed. In a linked
+    worktree or a submodule `.git` is a file naming the repository (`gitdir:`, and a worktree's
+    `commondir`): that repository is closed, and the hidden tests' copies in the repository's other
+    checkouts (its main work tree, its other worktrees) too."""
     closed = []
     for path in hidden:
         make_private(path)
-        for parent in path.resolve().parents:
-            git = parent / ".git"
-            if git.is_dir():
-                st = git.stat()
+        resolved = path.resolve()
+        for parent in resolved.parents:
+            dotgit = parent / ".git"
+            if not (dotgit.is_dir() or dotgit.is_file()):
+                continue
+            repositories = _git_repositories(dotgit)
+            for repository in repositories:
+                st = repository.stat()
                 if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-                    make_private(git)
-                    closed.append(git)
-                break
+                    make_private(repository)
+                    closed.append(repository)
+            if repositories:
+                for checkout in _git_checkouts(repositories[-1]):
+                    copy = checkout / resolved.relative_to(parent)
+                    if checkout != parent and not copy.is_symlink() and copy.exists():
+                        make_private(copy)
+            break
     return closed
+
+
+def _git_repositories(dotgit: Path) -> list[Path]:
+    """The repository folders behind a `.git`: itself when a folder; for a `.git` file the folder its
+    `gitdir:` names, then (a linked worktree's) the shared repository its `commondir` names."""
+    if dotgit.is_dir():
+        return [dotgit]
+    try:
+        text = dotgit.read_text(errors="replace")[:4096]
+    except OSError:
+        return []
+    named = next((line[7:].strip() for line in text.splitlines() if line.startswith("gitdir:")), "")
+    if not named:
+        return []
+    gitdir = Path(os.path.normpath(dotgit.parent / named))  # relative to the .git file's folder
+    if not gitdir.is_dir():
+        return []
+    repositories = [gitdir]
+    try:
+        common = (gitdir / "commondir").read_text(errors="replace")[:4096].strip()
+    except OSError:
+        common = ""
+    if common:
+        shared = Path(os.path.normpath(gitdir / common))  # relative to the worktree's git folder
+        if shared.is_dir() and shared != gitdir:
+            repositories.append(shared)
+    return repositories
+
+
+def _git_checkouts(repository: Path) -> list[Path]:
+    """Work trees of a repository folder: the main one (the folder holding it as `.git`) and its linked
+    worktrees (`worktrees/<name>/gitdir` names each one's `.git` file)."""
+    checkouts = [repository.parent] if repository.name == ".git" else []
+    try:
+        linked = list((repository / "worktrees").iterdir())
+    except OSError:
+        linked = []
+    for folder in linked:
+        try:
+            named = (folder / "gitdir").read_text(errors="replace")[:4096].strip()
+        except OSError:
+            continue
+        if named:
+            checkouts.append(Path(os.path.normpath(folder / named)).parent)
+    return checkouts
 
 
 def protect_ray_credentials(home: Path | None = None) -> None:

@@ -1,7 +1,9 @@
 """Run one sandboxed command to its end: start it as the execution's uid, watch it, end its whole tree.
 
 `supervise` starts the command (through the rlimit wrapper) in its own session, polls its
-processes' count, resident memory and the disk its folders use, and ends the whole tree
+processes' count, resident memory and the disk its folders use (with a uid of its own, also what the
+uid writes in the machine's shared scratch folders, and its memory held by no process: tmpfs files,
+detached SysV shared memory), and ends the whole tree
 (`sandbox.kill_all`) on exit, on timeout or when a limit is passed. Used for the harness and for
 evaluator commands alike.
 """
@@ -11,18 +13,22 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_ray.agents.sandbox import (
     Identity,
     Limits,
+    detached_shm_mb,
     disk_mb,
     grant_runtime,
     kill_all,
     limited_command,
     processes_of,
     resident_mb,
+    scratch_roots,
+    scratch_usage,
 )
 
 POLL_S = 0.2
@@ -39,29 +45,54 @@ class Finished:
     leftovers: bool  # processes survived the kill (should not happen)
 
 
-def _over_limit(identity: Identity, session: int, limits: Limits) -> str:
+def _over_limit(identity: Identity, session: int, limits: Limits, outside_mb: float = 0.0) -> str:
+    """`outside_mb`: memory the execution holds outside its processes (`_DiskWatch.ram_mb`)."""
     pids = processes_of(identity, session)
     if limits.max_processes and len(pids) >= limits.max_processes:  # at the rlimit: a runaway
         return f"process limit ({limits.max_processes})"
-    if limits.max_memory_mb and resident_mb(pids) > limits.max_memory_mb:
+    if limits.max_memory_mb and resident_mb(pids) + outside_mb > limits.max_memory_mb:
         return f"memory limit ({limits.max_memory_mb} MiB)"
     return ""
 
 
-class _DiskWatch:
-    """Disk the command adds to the folders (over what they held when it started: seeds, or what a
-    harness left for its evaluator), checked often while walking them is cheap, rarer where costly."""
+class _Usage:
+    """One measure, (disk MiB, of which memory MiB), over what it gave when the watch began; taken again
+    often while it is cheap, rarer where costly (waits 20 times what it took)."""
 
-    def __init__(self, folders: list[Path], limit_mb: int) -> None:
-        self.folders, self.limit_mb, self.next_at = folders, limit_mb, 0.0
-        self.baseline = disk_mb(folders) if limit_mb else 0.0
+    def __init__(self, measure: Callable[[], tuple[float, float]]) -> None:
+        self.measure, self.next_at, self.added = measure, 0.0, (0.0, 0.0)
+        self.baseline = measure()
+
+    def update(self, now: float) -> None:
+        if now < self.next_at:
+            return
+        start = time.monotonic()
+        disk, ram = self.measure()
+        self.added = (max(0.0, disk - self.baseline[0]), max(0.0, ram - self.baseline[1]))
+        self.next_at = now + max(POLL_S, 20 * (time.monotonic() - start))
+
+
+class _DiskWatch:
+    """Disk the command adds (over what was there when it started: seeds, or what a harness left for its
+    evaluator) to its folders and, with a uid of its own, to the machine's shared scratch folders (the
+    files its uid owns under each of `scratch_roots`, each root timed on its own, so a busy /tmp does
+    not slow the watch of /dev/shm). `ram_mb`: what it added that is memory of no process (its files
+    on tmpfs such as /dev/shm, its SysV shared memory no process has attached), for the memory limit."""
+
+    def __init__(self, folders: list[Path], limit_mb: int, identity: Identity, memory_mb: int = 0) -> None:
+        self.limit_mb, self.ram_mb = limit_mb, 0.0
+        self.parts = [_Usage(lambda: (disk_mb(folders), 0.0))] if limit_mb else []
+        if identity.dedicated and (limit_mb or memory_mb):
+            uid, gid = identity.uid, identity.gid
+            self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,))) for root in scratch_roots()]
+            self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
 
     def over(self, now: float) -> str:
-        if not self.limit_mb or now < self.next_at:
-            return ""
-        used = disk_mb(self.folders) - self.baseline
-        self.next_at = now + max(POLL_S, 20 * (time.monotonic() - now))
-        return f"disk limit ({self.limit_mb} MiB)" if used > self.limit_mb else ""
+        for part in self.parts:
+            part.update(now)
+        self.ram_mb = sum(part.added[1] for part in self.parts)
+        used = sum(part.added[0] for part in self.parts)
+        return f"disk limit ({self.limit_mb} MiB)" if self.limit_mb and used > self.limit_mb else ""
 
 
 def supervise(
@@ -79,28 +110,26 @@ def supervise(
     start = time.monotonic()
     timed_out, limit = False, ""
     grant_runtime(identity, command)
-    user = {"user": identity.uid, "group": identity.gid, "extra_groups": []} if identity.dedicated else {}
+    disk = _DiskWatch(watch, limits.max_disk_mb, identity, limits.max_memory_mb)  # before it can write
     log_fd = os.open(
         log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
     )  # the job's, not theirs
     with os.fdopen(log_fd, "ab") as log:
         proc = subprocess.Popen(
-            limited_command(command, limits, identity.dedicated),
-            cwd=cwd,
+            limited_command(command, limits, identity, cwd),  # becomes the uid, then enters cwd
+            cwd="/",
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            **user,
         )
-    disk = _DiskWatch(watch, limits.max_disk_mb)
     while proc.poll() is None:
         now = time.monotonic()
         if now - start > timeout_s:
             timed_out = True
             break
-        limit = _over_limit(identity, proc.pid, limits) or disk.over(now)
+        limit = _over_limit(identity, proc.pid, limits, disk.ram_mb) or disk.over(now)
         if limit:
             break
         time.sleep(POLL_S)

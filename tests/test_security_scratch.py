@@ -1,0 +1,175 @@
+"""Security: what an execution leaves in shared scratch (world-writable folders, SysV IPC) is gone for
+the next holder of its uid, counts against its limits, and hidden tests in a git worktree are closed."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+from security_cases import NOWHERE, needs_root, py
+from security_cases import task as make_task
+
+from gyre_ray.agents.runner import run_execution
+from gyre_ray.agents.sandbox import Limits, close_hidden_tests
+
+# ---- what an execution leaves outside /tmp, /var/tmp, /dev/shm reaches the next holder of its uid ---
+
+SHM_KEY = 0x6A7E0A11
+LOCK_FILE = Path("/run/lock/gyre-security-audit-left")
+LEAVE = r"""
+import ctypes, os
+print("UID", os.getuid())
+try:
+    open(LOCK_PATH, "w").write("A-SECRET")
+except OSError:
+    pass
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.restype = ctypes.c_int
+libc.shmat.restype = ctypes.c_void_p
+shmid = libc.shmget(SHM_KEY_VALUE, 4096, 0o1000 | 0o600)
+ctypes.memmove(libc.shmat(shmid, None, 0), b"A-SHM-SECRET", 12)
+""".replace("LOCK_PATH", repr(str(LOCK_FILE))).replace("SHM_KEY_VALUE", str(SHM_KEY))
+FIND = r"""
+import ctypes, json, os
+found = {}
+try:
+    found["file"] = open(LOCK_PATH).read()
+except OSError:
+    pass
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.restype = ctypes.c_int
+libc.shmat.restype = ctypes.c_void_p
+shmid = libc.shmget(SHM_KEY_VALUE, 0, 0)
+if shmid >= 0:
+    found["shm"] = ctypes.string_at(libc.shmat(shmid, None, 0), 12).decode()
+print("UID", os.getuid())
+print("FOUND " + json.dumps(found))
+""".replace("LOCK_PATH", repr(str(LOCK_FILE))).replace("SHM_KEY_VALUE", str(SHM_KEY))
+
+
+def _remove_shm(key: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    shmid = libc.shmget(key, 0, 0)
+    if shmid >= 0:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
+
+
+@needs_root
+def test_what_an_execution_leaves_outside_the_scratch_folders_is_gone_for_the_next_holder(
+    exec_tmp: Path,
+) -> None:
+    # SHOWS: `reclaim` removes only what the uid owns under /tmp, /var/tmp and /dev/shm; a file in
+    # /run/lock (world-writable) and a SysV shared-memory segment survive, and the next execution that
+    # draws the same pool uid reads them (docs: "the next execution with the same uid reads nothing").
+    # Fix: also sweep every world-writable folder (find -xdev -perm -0002) and the uid's SysV IPC
+    # (ipcrm / shmctl IPC_RMID for every object it owns); better, private /tmp and IPC namespaces.
+    try:
+        a = run_execution(
+            "A", make_task(), NOWHERE, exec_tmp / "workspaces" / "A", command=py(LEAVE), timeout_s=30
+        )
+        b = run_execution(
+            "B", make_task(), NOWHERE, exec_tmp / "workspaces" / "B", command=py(FIND), timeout_s=30
+        )
+    finally:
+        LOCK_FILE.unlink(missing_ok=True)
+        _remove_shm(SHM_KEY)
+    uid_a = a.log_tail.split("UID ", 1)[1].split()[0]
+    uid_b = b.log_tail.split("UID ", 1)[1].split()[0]
+    if uid_a != uid_b:
+        pytest.skip("the two executions drew different pool uids (another execution held the slot)")
+    found = json.loads(b.log_tail.split("FOUND ", 1)[1].splitlines()[0])
+    assert found == {}, found
+
+
+# ---- writes to shared scratch escape the disk (and memory) limits -----------------------------------
+
+FILL_SCRATCH = r"""
+import os, time
+for root in ("/dev/shm", "/var/tmp"):
+    os.makedirs(f"{root}/gyre-audit-fill", exist_ok=True)
+    for i in range(10):
+        open(f"{root}/gyre-audit-fill/f{i}", "wb").write(b"x" * (3 << 20))
+print("WROTE 60 MiB outside its folders")
+time.sleep(2)
+"""
+
+
+@needs_root
+def test_writes_to_shared_scratch_count_against_the_executions_limits(exec_tmp: Path) -> None:
+    # SHOWS: `supervise` watches disk only in [workspace, HOME, TMPDIR]; an agent writes 60 MiB into
+    # /dev/shm and /var/tmp with max_disk_mb=8 and max_memory_mb=200 and is not stopped (tmpfs pages
+    # are not resident memory of any process either), so it can fill the host's RAM (/dev/shm) or
+    # disk while the job runs. Fix: count the uid's files under the scratch folders in the disk
+    # watch, or give each execution private, size-limited /tmp and /dev/shm (mount namespace).
+    out = run_execution(
+        "F", make_task(), NOWHERE, exec_tmp / "workspaces" / "F", command=py(FILL_SCRATCH), timeout_s=30,
+        limits=Limits(max_file_mb=4, max_disk_mb=8, max_memory_mb=200),
+    )  # fmt: skip
+    assert not ("WROTE 60 MiB" in out.log_tail and "limit" not in out.reason), (out.reason, out.log_tail)
+
+
+# ---- hidden tests in a git worktree ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_hidden_tests_in_a_git_worktree_have_their_repository_closed(tmp_path: Path) -> None:
+    # SHOWS: `close_hidden_tests` closes `.git` only when it is a folder; in a worktree (or
+    # submodule) `.git` is a file naming the real repository, which is left open (0755): a sandbox
+    # uid reads the hidden tests with `git -c safe.directory=* --git-dir=<main>/.git show
+    # HEAD:hidden/...` (and from the main checkout's copy). Fix: follow the `gitdir:`/commondir of a
+    # `.git` file and close that repository (or refuse hidden tests inside a worktree).
+    env = {**os.environ, "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@b", "GIT_COMMITTER_NAME": "a",
+           "GIT_COMMITTER_EMAIL": "a@b"}  # fmt: skip
+    main = tmp_path / "main"
+    (main / "hidden").mkdir(parents=True)
+    (main / "hidden" / "test_x.py").write_text("def test_x():\n    assert 1\n")
+    os.chmod(tmp_path, 0o755)
+    for args in (
+        ["init", "-q"],
+        ["add", "."],
+        ["commit", "-qm", "init"],
+        ["worktree", "add", "-q", str(tmp_path / "wt")],
+    ):
+        subprocess.run(["git", "-C", str(main), *args], check=True, capture_output=True, env=env)
+    os.chmod(main / ".git", 0o755)
+    close_hidden_tests([tmp_path / "wt" / "hidden"])
+    assert (main / ".git").stat().st_mode & 0o077 == 0, oct((main / ".git").stat().st_mode)
+
+
+# ---- a private /tmp, /dev/shm, ... where the run folder is elsewhere ---------------------------------
+
+USE_SCRATCH = r"""
+import os
+print("SEES", sorted(os.listdir("/tmp")))
+for root in ("/tmp", "/dev/shm"):
+    open(f"{root}/gyre-private-mark", "w").write("x")
+try:
+    open("/tmp/gyre-private-big", "wb").write(b"x" * (12 << 20))
+    print("BIG WRITTEN")
+except OSError as exc:
+    print("BIG REFUSED", exc.errno)
+"""
+
+
+@needs_root
+def test_an_execution_gets_scratch_folders_of_its_own() -> None:
+    """With the run folder outside /tmp, the harness's /tmp and /dev/shm are a tmpfs of its own (as large
+    as its disk limit): it sees nothing of the machine's, and what it writes there is gone after it."""
+    base = Path(tempfile.mkdtemp(prefix="gyre-exec-test-", dir="/var/lib"))
+    try:
+        out = run_execution(
+            "P", make_task(), NOWHERE, base / "workspaces" / "P", command=py(USE_SCRATCH), timeout_s=30,
+            limits=Limits(max_file_mb=64, max_disk_mb=8, max_memory_mb=500),
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert "SEES []" in out.log_tail, out.log_tail  # the machine's /tmp (Ray's, the job's locks) is not there
+    assert "BIG REFUSED 28" in out.log_tail, out.log_tail  # ENOSPC: 8 MiB of its own
+    for root in ("/tmp", "/dev/shm"):
+        assert not Path(f"{root}/gyre-private-mark").exists()
