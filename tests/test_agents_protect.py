@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from gyre_ray.agents.sandbox import (
-    _remove_scratch,
     close_hidden_tests,
     job_workspaces,
     protect_job_folders,
     protect_ray_credentials,
 )
+from gyre_ray.agents.scratch import remove_scratch
 
 
 def _mode(path: Path) -> int:
@@ -75,7 +75,7 @@ def test_files_a_uid_left_deep_in_shared_scratch_are_removed(tmp_path: Path) -> 
     closed.mkdir(mode=0o700)  # the uid could not reach in here: not read at all
     (closed / "other.txt").write_text("x")
     os.chown(closed / "other.txt", uid, -1)
-    _remove_scratch(uid, (str(tmp_path / "tmp"),))
+    remove_scratch(uid, (str(tmp_path / "tmp"),))
     assert sorted(p.name for p in shared.iterdir()) == ["ray.log"]  # the link went, not its target
     assert (closed / "other.txt").exists()
 

@@ -12,7 +12,7 @@ Then it drops to the uid and gid (no supplementary groups), and only then enters
 which an evaluator's run finds as the agent left it: root never works in it). It runs isolated
 (`-I`: neither the environment's PYTHON* variables nor the working folder reach its imports). A host
 that refuses the namespace or a mount (no CAP_SYS_ADMIN) gets one warning line in the execution's
-log and the shared folders (whose leftovers `sandbox.reclaim` removes).
+log and the shared folders (whose leftovers `sandbox.reclaim` removes: `gyre_ray.agents.scratch`).
 
 Then, as the uid, `RLIMIT_NPROC` (which counts processes per uid) bounds a fork bomb to N processes;
 `RLIMIT_FSIZE` ends a write past M MiB (one file, the log included); no core dumps; files it creates

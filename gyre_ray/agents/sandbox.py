@@ -25,30 +25,23 @@ An execution runs untrusted code (the agent under training, and whatever it writ
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import grp
 import os
 import pwd
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_ray.agents.scratch import remove_ipc, remove_scratch
+
 USER_PREFIX = "gyre-exec-"
 GROUP = "gyre-exec"  # the pool users' shared primary group: may traverse what they need to reach
 LOCK_DIR = Path(os.environ.get("GYRE_SANDBOX_LOCK_DIR", "/tmp/gyre-ray-sandbox"))
-SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
-# more folders any user may write on common systems (where present and not links): with a private
-# mount namespace (`gyre_ray.agents.limits`) the execution gets its own tmpfs at each of these; without
-# one (a host that refuses the mount) what its uid leaves there is removed at reclaim
-MORE_SCRATCH_DIRS = ("/run/lock", "/var/lock", "/var/crash", "/run/shm", "/dev/mqueue")
-RAM_FS = frozenset(("tmpfs", "ramfs", "hugetlbfs"))  # a file there is memory, not disk
-IPC_RMID = 0
 BASE_ENV_NAMES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
@@ -149,8 +142,8 @@ def acquire_identity(isolation: str) -> Identity:
         identity = Identity(entry.pw_uid, entry.pw_gid, entry.pw_name, dedicated=True, lock_fd=fd)
         kill_all(identity, None)  # anything a crashed earlier holder left behind
         if os.fstat(fd).st_size:  # marked held, never reclaimed (its job died): remove what it left
-            _remove_scratch(identity.uid, gid=identity.gid)
-            _remove_ipc(identity.uid)
+            remove_scratch(identity.uid, gid=identity.gid)
+            remove_ipc(identity.uid)
         os.pwrite(fd, b"held", 0)  # cleared by `reclaim` once the slot is clean again
         return identity
     raise SandboxError("no free sandbox user slot")
@@ -220,164 +213,12 @@ def reclaim(identity: Identity) -> None:
             for folder in identity.folders:
                 if folder.exists():
                     _chown_tree(folder, os.geteuid(), os.getegid())
-            _remove_scratch(identity.uid, gid=identity.gid)
-            _remove_ipc(identity.uid)
+            remove_scratch(identity.uid, gid=identity.gid)
+            remove_ipc(identity.uid)
             if identity.lock_fd is not None:
                 os.ftruncate(identity.lock_fd, 0)  # clean: the next holder need not search again
     finally:
         identity.release()
-
-
-def _remove_scratch(uid: int, roots: tuple[str, ...] | None = None, gid: int | None = None) -> None:
-    """Remove whatever `uid` owns anywhere under the shared scratch folders (`roots`, by default
-    `scratch_roots()`), at any depth (a file the execution left in a world-writable folder such as
-    /tmp/ray/ would reach the slot's next holder). Links are removed, never followed."""
-    for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid):
-        try:
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                os.unlink(entry.path)
-        except OSError:
-            continue
-
-
-def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None):
-    """(entry, lstat) of each entry `uid` owns in a folder under `roots` it may write (what it may have
-    left there; an owned folder is one entry, not entered). Only what the uid could reach is read:
-    folders it may not traverse are skipped, and only the entries of folders it may write are looked
-    at (a full walk of a busy /tmp took 0.6 s per execution)."""
-    stack = list(roots)
-    while stack:
-        folder = stack.pop()
-        try:
-            st = os.lstat(folder)
-            if not stat.S_ISDIR(st.st_mode) or not _may(st, uid, gid, 0o1):
-                continue
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        writable = _may(st, uid, gid, 0o2)
-        for entry in entries:
-            try:
-                if writable and (entry_st := entry.stat(follow_symlinks=False)).st_uid == uid:
-                    yield entry, entry_st
-                elif entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-            except OSError:
-                continue
-
-
-def scratch_usage(uid: int, gid: int | None, roots: tuple[str, ...] | None = None) -> tuple[float, float]:
-    """MiB allocated to what `uid` owns in shared scratch (`roots`, by default `scratch_roots()`; a
-    folder it owns there counted whole), and how much of that is memory (tmpfs, e.g. /dev/shm)."""
-    ram_devs = _scan()[1]
-    total = ram = 0
-    seen: set[tuple[int, int]] = set()  # a file linked twice counts once
-    for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid):
-        statuses = [st]
-        if stat.S_ISDIR(st.st_mode):
-            for dirpath, dirnames, filenames in os.walk(entry.path):
-                for name in dirnames + filenames:
-                    try:
-                        statuses.append(os.lstat(os.path.join(dirpath, name)))
-                    except OSError:
-                        continue
-        for one in statuses:
-            if one.st_nlink > 1 and not stat.S_ISDIR(one.st_mode):
-                if (one.st_dev, one.st_ino) in seen:
-                    continue
-                seen.add((one.st_dev, one.st_ino))
-            size = one.st_blocks * 512
-            total += size
-            if one.st_dev in ram_devs:
-                ram += size
-    return total / (1 << 20), ram / (1 << 20)
-
-
-_scanned: tuple[tuple[str, ...], frozenset[int]] | None = None
-
-
-def scratch_roots() -> tuple[str, ...]:
-    """The folders where an execution's uid may leave files outside its own: those of SCRATCH_DIRS and
-    MORE_SCRATCH_DIRS that are folders here (not links), found once per process."""
-    return _scan()[0]
-
-
-def _scan() -> tuple[tuple[str, ...], frozenset[int]]:
-    """`scratch_roots` and the devices of the memory file systems (tmpfs), found on first use."""
-    global _scanned
-    if _scanned is not None:
-        return _scanned
-    ram_devs: set[int] = set()
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        fields, _, rest = line.partition(" - ")
-        try:
-            if (rest.split() or [""])[0] in RAM_FS:
-                major, minor = fields.split()[2].split(":")
-                ram_devs.add(os.makedev(int(major), int(minor)))
-        except (ValueError, IndexError):
-            continue
-    found = []
-    for path in SCRATCH_DIRS + MORE_SCRATCH_DIRS:
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                found.append(path)
-        except OSError:
-            continue
-    _scanned = (tuple(found), frozenset(ram_devs))
-    return _scanned
-
-
-def _sysv_ipc(uid: int):
-    """(kind, id, row) of each SysV IPC object `uid` owns or created ('shm', 'sem' or 'msg'; row: its
-    line of /proc/sysvipc/<kind> by column)."""
-    for kind in ("shm", "sem", "msg"):
-        try:
-            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
-        except OSError:
-            continue
-        header = lines[0].split() if lines else []
-        for line in lines[1:]:
-            row = dict(zip(header, line.split(), strict=False))
-            try:
-                if uid in (int(row["uid"]), int(row["cuid"])):  # an owner may give it away (IPC_SET)
-                    yield kind, int(row[header[1]]), row  # shmid, semid or msqid
-            except (KeyError, ValueError, IndexError):
-                continue
-
-
-def _remove_ipc(uid: int) -> None:
-    """Remove every SysV shared-memory segment, semaphore set and message queue of `uid` (they outlive
-    its processes: the next holder of the uid would attach to them)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for kind, ident, _ in list(_sysv_ipc(uid)):
-        if kind == "shm":
-            libc.shmctl(ident, IPC_RMID, None)
-        elif kind == "sem":
-            libc.semctl(ident, 0, IPC_RMID)
-        else:
-            libc.msgctl(ident, IPC_RMID, None)
-
-
-def detached_shm_mb(uid: int) -> float:
-    """MiB resident in `uid`'s SysV shared-memory segments that no process has attached (memory of no
-    process: an attached one is in its resident memory)."""
-    rows = (row for kind, _, row in _sysv_ipc(uid) if kind == "shm" and row.get("nattch") == "0")
-    return sum(int(row.get("rss", 0)) for row in rows) / (1 << 20)
-
-
-def _may(st: os.stat_result, uid: int, gid: int | None, bit: int) -> bool:
-    """Whether `uid` (primary group `gid`) has permission `bit` (1 = x, 2 = w) on a file of status `st`."""
-    if st.st_uid == uid:
-        return bool(st.st_mode & (bit << 6))
-    if gid is not None and st.st_gid == gid:
-        return bool(st.st_mode & (bit << 3))
-    return bool(st.st_mode & bit)
 
 
 def harness_env(

@@ -20,16 +20,14 @@ from pathlib import Path
 from gyre_ray.agents.sandbox import (
     Identity,
     Limits,
-    detached_shm_mb,
     disk_mb,
     grant_runtime,
     kill_all,
     limited_command,
     processes_of,
     resident_mb,
-    scratch_roots,
-    scratch_usage,
 )
+from gyre_ray.agents.scratch import detached_shm_mb, scratch_roots, scratch_usage
 
 POLL_S = 0.2
 
