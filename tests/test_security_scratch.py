@@ -147,6 +147,7 @@ def test_hidden_tests_in_a_git_worktree_have_their_repository_closed(tmp_path: P
 USE_SCRATCH = r"""
 import os
 print("SEES", sorted(os.listdir("/tmp")))
+print("SHMMAX", open("/proc/sys/kernel/shmmax").read().strip())
 for root in ("/tmp", "/dev/shm"):
     open(f"{root}/gyre-private-mark", "w").write("x")
 try:
@@ -159,8 +160,8 @@ except OSError as exc:
 
 @needs_root
 def test_an_execution_gets_scratch_folders_of_its_own() -> None:
-    """With the run folder outside /tmp, the harness's /tmp and /dev/shm are a tmpfs of its own (as large
-    as its disk limit): it sees nothing of the machine's, and what it writes there is gone after it."""
+    """With the run folder outside /tmp, the harness's /tmp and /dev/shm are one tmpfs of its own (as large
+    as its disk limit, in all): it sees nothing of the machine's, and what it writes there is gone after it."""
     base = Path(tempfile.mkdtemp(prefix="gyre-exec-test-", dir="/var/lib"))
     try:
         out = run_execution(
@@ -169,7 +170,33 @@ def test_an_execution_gets_scratch_folders_of_its_own() -> None:
         )  # fmt: skip
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    assert "SEES []" in out.log_tail, out.log_tail  # the machine's /tmp (Ray's, the job's locks) is not there
+    seen = json.loads(out.log_tail.split("SEES ", 1)[1].splitlines()[0].replace("'", '"'))
+    # the machine's /tmp (Ray's sessions, the job's locks) is not there: only the folders its own tmpfs
+    # lends /var/tmp, /dev/shm and the like
+    assert seen and all(name.startswith(".gyre-") for name in seen), out.log_tail
     assert "BIG REFUSED 28" in out.log_tail, out.log_tail  # ENOSPC: 8 MiB of its own
+    assert (
+        f"SHMMAX {500 << 20}" in out.log_tail
+    )  # its own SysV IPC, shared memory bounded by its memory limit
     for root in ("/tmp", "/dev/shm"):
         assert not Path(f"{root}/gyre-private-mark").exists()
+
+
+def test_the_job_never_opens_a_fifo_or_link_the_execution_left_as_its_log(tmp_path: Path) -> None:
+    """The evaluator log lies in a folder the execution owns: a FIFO there would block the job's open."""
+    from gyre_ray.agents.supervise import open_log
+
+    fifo = tmp_path / "evaluator.log"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="No such device|not a regular file"):  # at once: ENXIO, no reader
+        open_log(fifo)
+    (tmp_path / "target").write_text("")
+    (tmp_path / "linked.log").symlink_to(tmp_path / "target")
+    with pytest.raises(OSError):
+        open_log(tmp_path / "linked.log")
+    fd = open_log(tmp_path / "fresh.log")
+    os.write(fd, b"ok")
+    os.close(fd)
+    assert (tmp_path / "fresh.log").read_bytes() == b"ok" and (
+        tmp_path / "fresh.log"
+    ).stat().st_mode & 0o777 == 0o600

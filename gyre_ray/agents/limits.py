@@ -1,16 +1,19 @@
-"""Exec wrapper that puts rlimits on a harness, then becomes it: `python -I -m gyre_ray.agents.limits
-[--uid U --gid G --scratch-mb S] --cwd DIR --nproc N --fsize-mb M -- COMMAND...`.
+"""Exec wrapper that puts rlimits on a harness, then becomes it: `python -I -S .../gyre_ray/agents/limits.py
+[--uid U --gid G --scratch-mb S --memory-mb R] --cwd DIR --nproc N --fsize-mb M -- COMMAND...`
+(run as a script, standard library only: no site-packages, no .pth file, is processed while it is root).
 
 With `--uid` (an execution with a uid of its own; the wrapper starts as root) it first gives the
 command a mount and IPC namespace of its own (`private_mounts`): a fresh procfs mounted
 `hidepid=invisible`, so the processes of other uids (other executions', whose command lines hold
-their prompts and their tools' commands, and the job's) are not there to read; its own SysV IPC; and
-a private tmpfs of `--scratch-mb` MiB over /tmp, /var/tmp, /dev/shm, /run/lock and the like, each
-that holds nothing the command needs (a run folder under /tmp keeps the shared /tmp), so what it
-writes there is its own, bounded, and gone with its last process.
+their prompts and their tools' commands, and the job's) are not there to read; its own SysV IPC,
+bounded by its memory limit; and one private tmpfs of `--scratch-mb` MiB serving /tmp, /var/tmp,
+/dev/shm, /run/lock and the like (each that holds nothing the command needs: a run folder under
+/tmp keeps the shared /tmp), so what it writes there is its own, bounded in all, and gone with its
+last process.
 Then it drops to the uid and gid (no supplementary groups), and only then enters DIR (the workspace,
 which an evaluator's run finds as the agent left it: root never works in it). It runs isolated
-(`-I`: neither the environment's PYTHON* variables nor the working folder reach its imports). A host
+(`-I -S`: neither the environment's PYTHON* variables, the working folder nor site-packages reach
+its imports). A host
 that refuses the namespace or a mount (no CAP_SYS_ADMIN) gets one warning line in the execution's
 log and the shared folders (whose leftovers `sandbox.reclaim` removes: `gyre_ray.agents.scratch`).
 
@@ -29,33 +32,63 @@ import resource
 import sys
 
 _CLONE_NEWNS, _CLONE_NEWIPC = 0x00020000, 0x08000000
-_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
-# the shared folders any user may write, each backed by a tmpfs of the execution's own (where present,
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+_PR_SET_NO_NEW_PRIVS = 38
+# the shared folders any user may write, each backed by the execution's private tmpfs (where present,
 # not links, and holding nothing it needs)
 PRIVATE_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/var/crash", "/run/shm")
+DEFAULT_SCRATCH_MB = 1024  # the private tmpfs's size when no disk limit is set
 
 
-def private_mounts(scratch_mb: int, needed: list[str]) -> str:
+def private_mounts(scratch_mb: int, memory_mb: int, needed: list[str]) -> str:
     """Give this process (and what it starts) a mount and an IPC namespace of its own: /proc mounted
-    hidepid=invisible (other uids' processes are not there), its own SysV IPC, and a tmpfs of
-    `scratch_mb` MiB (0: the kernel's default, half the memory) over each PRIVATE_SCRATCH folder that
-    holds none of the `needed` paths (its workspace, HOME, TMPDIR, the command's files: a run folder
-    under /tmp keeps the shared /tmp), so what it writes there is its alone, bounded, and gone with
-    its last process. '' when done, else why not (the caller goes on with the shared ones)."""
+    hidepid=invisible (other uids' processes are not there); SysV shared memory bounded by `memory_mb`;
+    and one tmpfs of `scratch_mb` MiB (nosuid, nodev, inodes bounded) at the first PRIVATE_SCRATCH
+    folder that holds none of the `needed` paths (its workspace, HOME, TMPDIR, the command's files: a
+    run folder under /tmp keeps the shared /tmp), with a folder of it bound over each other such
+    folder, so what it writes there is its alone, bounded in all, and gone with its last process.
+    '' when done, else what failed (from there on the shared ones are kept)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    size = f",size={scratch_mb}m" if scratch_mb > 0 else ""
+    size_mb = scratch_mb if scratch_mb > 0 else DEFAULT_SCRATCH_MB
+    plain = _MS_NOSUID | _MS_NODEV
     steps = [
         ("unshare(CLONE_NEWNS | CLONE_NEWIPC)", lambda: libc.unshare(_CLONE_NEWNS | _CLONE_NEWIPC)),
+        ("bounding SysV IPC", lambda: _bound_ipc(memory_mb)),
         ("making mounts private", lambda: libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)),
-        ("mounting /proc hidepid=invisible", lambda: libc.mount(b"proc", b"/proc", b"proc", 0, b"hidepid=invisible")),
+        ("mounting /proc hidepid=invisible",
+         lambda: libc.mount(b"proc", b"/proc", b"proc", plain | _MS_NOEXEC, b"hidepid=invisible")),
     ]  # fmt: skip
-    for folder in private_scratch(needed):
-        options = f"mode=1777{size}".encode()
-        steps.append((f"mounting a tmpfs at {folder}", lambda f=folder, o=options: libc.mount(b"tmpfs", f.encode(), b"tmpfs", 0, o)))  # fmt: skip
+    folders = private_scratch(needed)
+    if folders:
+        base, options = folders[0], f"mode=1777,size={size_mb}m,nr_inodes={max(1024, size_mb * 256)}"
+        steps.append((f"mounting a tmpfs at {base}", lambda: libc.mount(b"tmpfs", base.encode(), b"tmpfs", plain, options.encode())))  # fmt: skip
+        for folder in folders[1:]:
+            steps.append((f"binding {folder}", lambda f=folder: _bind_into(libc, base, f)))
     for step, call in steps:
         if call() != 0:
             return f"{step}: {os.strerror(ctypes.get_errno())}"
     return ""
+
+
+def _bound_ipc(memory_mb: int) -> int:
+    """This IPC namespace's SysV limits (a new one starts at the kernel's, practically unbounded): shared
+    memory at most `memory_mb` in all (0: left as is), few segments and queues."""
+    if memory_mb <= 0:
+        return 0
+    settings = {"shmmax": memory_mb << 20, "shmall": (memory_mb << 20) // os.sysconf("SC_PAGE_SIZE"),
+                "shmmni": 64, "msgmni": 16}  # fmt: skip
+    for name, value in settings.items():
+        with open(f"/proc/sys/kernel/{name}", "w") as f:
+            f.write(str(value))
+    return 0
+
+
+def _bind_into(libc: ctypes.CDLL, base: str, folder: str) -> int:
+    """Bind a fresh world-writable folder of the private tmpfs at `base` over `folder`."""
+    inside = f"{base}/.gyre{folder.replace('/', '-')}"
+    os.mkdir(inside)
+    os.chmod(inside, 0o1777)
+    return libc.mount(inside.encode(), folder.encode(), None, _MS_BIND, None)
 
 
 def private_scratch(needed: list[str]) -> list[str]:
@@ -70,19 +103,22 @@ def private_scratch(needed: list[str]) -> list[str]:
 
 
 def needed_paths(command: list[str], cwd: str | None) -> list[str]:
-    """Absolute paths the command will reach: `cwd`, its arguments', its HOME and TMPDIR, the folders
-    of its PATH and this interpreter (resolved too, in case a link leads into a scratch folder)."""
-    values = [cwd or "", *command, os.environ.get("HOME", ""), os.environ.get("TMPDIR", ""), sys.executable]
-    values += os.environ.get("PATH", "").split(":")
-    absolute = [v for v in values if v.startswith("/")]
-    return absolute + [os.path.realpath(v) for v in absolute]
+    """Absolute paths the command will reach: its arguments' as given (they may name the agent's files:
+    never resolved here, as root), and, resolved too in case a link leads into a scratch folder, `cwd`,
+    its HOME and TMPDIR, the folders of its PATH and this interpreter (all the job's)."""
+    jobs = [cwd or "", os.environ.get("HOME", ""), os.environ.get("TMPDIR", ""), sys.executable]
+    jobs += os.environ.get("PATH", "").split(":")
+    jobs = [v for v in jobs if v.startswith("/")]
+    return [v for v in command if v.startswith("/")] + jobs + [os.path.realpath(v) for v in jobs]
 
 
 def become(uid: int, gid: int) -> None:
-    """Drop from root to `uid`/`gid` for good, with no supplementary groups."""
+    """Drop from root to `uid`/`gid` for good, with no supplementary groups, and no way back up through
+    a setuid program (no_new_privs)."""
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
 def apply_limits(nproc: int, fsize_mb: int) -> None:
@@ -101,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--uid", type=int, default=None)
     parser.add_argument("--gid", type=int, default=None)
     parser.add_argument("--cwd", default=None, help="enter this folder (after dropping to --uid)")
-    parser.add_argument("--scratch-mb", type=int, default=0, help="size of its private /tmp (0: default)")
+    parser.add_argument("--scratch-mb", type=int, default=0, help="size of its private /tmp (0: 1024)")
+    parser.add_argument("--memory-mb", type=int, default=0, help="bound on its SysV shared memory (0: none)")
     parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--fsize-mb", type=int, default=0)
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -112,11 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     if (args.uid is None) != (args.gid is None):
         parser.error("--uid and --gid go together")
     if args.uid is not None:
-        why = private_mounts(args.scratch_mb, needed_paths(command, args.cwd))
-        if why:
-            warning = f"gyre-ray: warning: no private /proc and /tmp for this execution ({why})"
-            print(warning, file=sys.stderr, flush=True)
-        become(args.uid, args.gid)
+        try:
+            why = private_mounts(args.scratch_mb, args.memory_mb, needed_paths(command, args.cwd))
+            if why:
+                print(f"gyre-ray: warning: private /proc, /tmp and IPC incomplete ({why}); the shared ones "
+                      "are used from there on", file=sys.stderr, flush=True)  # fmt: skip
+            become(args.uid, args.gid)
+        except Exception as exc:  # as root: one line, never a traceback, and the command never starts
+            print(f"gyre-ray: cannot start {command[0]!r}: sandbox setup failed ({exc!r})", file=sys.stderr)
+            sys.exit(127)
     apply_limits(args.nproc, args.fsize_mb)
     try:
         if args.cwd is not None:

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gyre_ray.agents import limits as limits_module
 from gyre_ray.agents.scratch import remove_ipc, remove_scratch
 
 USER_PREFIX = "gyre-exec-"
@@ -162,8 +163,6 @@ def grant_traverse(path: Path, gid: int) -> None:
             )
         os.chown(parent, -1, gid)
         os.chmod(parent, (st.st_mode & 0o7707) | 0o010)
-        global _scanned
-        _scanned = None  # what the pool may reach grew: search for writable folders again
 
 
 def grant_runtime(identity: Identity, command: list[str]) -> None:
@@ -236,18 +235,13 @@ def harness_env(
 
 def limited_command(command: list[str], limits: Limits, identity: Identity, cwd: Path) -> list[str]:
     """`command` behind the rlimit wrapper, run in `cwd`; with a uid of its own the wrapper starts as
-    root (isolated: `-I`), gives it a private /proc, becomes the uid and only then enters `cwd` (and only
-    then is the process count, per uid, limited)."""
-    wrapper = [sys.executable, "-I", "-m", "gyre_ray.agents.limits", "--cwd", str(cwd)]
-    if identity.dedicated:  # its private /tmp (and /dev/shm, ...) holds at most its disk limit
-        wrapper += [
-            "--uid",
-            str(identity.uid),
-            "--gid",
-            str(identity.gid),
-            "--scratch-mb",
-            str(limits.max_disk_mb),
-        ]
+    root (isolated: `python -I -S` on the script itself), gives it a private /proc, /tmp and IPC (the
+    tmpfs as large as its disk limit, SysV memory bounded by its memory limit), becomes the uid and
+    only then enters `cwd` (and only then is the process count, per uid, limited)."""
+    wrapper = [sys.executable, "-I", "-S", str(Path(limits_module.__file__).resolve()), "--cwd", str(cwd)]
+    if identity.dedicated:
+        wrapper += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
+        wrapper += ["--scratch-mb", str(limits.max_disk_mb), "--memory-mb", str(limits.max_memory_mb)]
     wrapper += ["--nproc", str(limits.max_processes if identity.dedicated else 0)]
     wrapper += ["--fsize-mb", str(limits.max_file_mb), "--"]
     return wrapper + list(command)

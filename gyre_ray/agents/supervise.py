@@ -10,7 +10,10 @@ evaluator commands alike.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -93,6 +96,17 @@ class _DiskWatch:
         return f"disk limit ({self.limit_mb} MiB)" if self.limit_mb and used > self.limit_mb else ""
 
 
+def open_log(path: Path) -> int:
+    """`path` opened to append (created 0600): never through a link, never a FIFO or device the
+    execution put there in its folder (the job would block on it or write into it as root)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def supervise(
     command: list[str],
     *,
@@ -109,9 +123,7 @@ def supervise(
     timed_out, limit = False, ""
     grant_runtime(identity, command)
     disk = _DiskWatch(watch, limits.max_disk_mb, identity, limits.max_memory_mb)  # before it can write
-    log_fd = os.open(
-        log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600
-    )  # the job's, not theirs
+    log_fd = open_log(log_path)
     with os.fdopen(log_fd, "ab") as log:
         proc = subprocess.Popen(
             limited_command(command, limits, identity, cwd),  # becomes the uid, then enters cwd
@@ -131,6 +143,8 @@ def supervise(
         if limit:
             break
         time.sleep(POLL_S)
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # its group, as root: also a wrapper
+        os.killpg(proc.pid, signal.SIGKILL)  # still root (not yet the uid, which kill_all kills as)
     clean = kill_all(identity, proc.pid)
     try:
         proc.wait(timeout=10)

@@ -97,9 +97,11 @@ def launch_command(
     if options.tp_size and gpu_count and options.tp_size > gpu_count:
         raise ValueError(f"engine.sglang.tp_size={options.tp_size} exceeds the bundle's {gpu_count} GPU(s)")
     for arg in options.extra_args:
-        if arg.split("=", 1)[0] in _KEY_FLAGS:
+        flag = arg.split("=", 1)[0]
+        # argparse takes an unambiguous prefix of a flag for the flag (`--api-k`, `--conf`)
+        if flag.startswith("--") and len(flag) > 2 and any(k.startswith(flag) for k in _KEY_FLAGS):
             raise ValueError(
-                f"engine.sglang.extra_args may not hold {arg.split('=', 1)[0]}: the engine starts the server "
+                f"engine.sglang.extra_args may not hold {flag}: the engine starts the server "
                 "with its own random API key (in its own --config file) and the cell alone holds it"
             )
     command = [
@@ -134,7 +136,7 @@ class SGLangServer:
         key_file: str | Path | None = None,
     ) -> None:
         """`owned_dirs`: folders made for this server (a saved model, the key file's) that `stop` removes.
-        `api_key`: the server's key (sent with the health checks, blanked out of log lines shown);
+        `api_key`: the server's key (blanked out of log lines shown; the health checks go without it);
         `key_file`: the `--config` file holding it, removed once the server is healthy (it has read it)."""
         self.owned_dirs = [Path(d) for d in owned_dirs]
         self.command = command
@@ -159,7 +161,8 @@ class SGLangServer:
 
         Synchronous on purpose: a cell builds its engine inside its (running) event loop."""
         deadline = time.monotonic() + timeout_s
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # no key: SGLang answers /health* without one, and until the server binds its port another
+        # process on the machine could be listening there and would be handed the key
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise SGLangServerError(
@@ -167,7 +170,7 @@ class SGLangServer:
                     f"while starting; last log lines:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                reply = httpx.get(f"{self.url}/health_generate", headers=headers, timeout=max(poll_s, 5.0))
+                reply = httpx.get(f"{self.url}/health_generate", timeout=max(poll_s, 5.0))
                 if reply.status_code == 200:
                     self._remove_key_file()  # read at start-up, by the launcher, before it serves
                     return
