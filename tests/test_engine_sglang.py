@@ -406,7 +406,13 @@ def test_launch_command_and_missing_pieces_are_explained() -> None:
     assert "--config /k.yaml" in joined
     with pytest.raises(ValueError, match="exceeds the bundle's 1 GPU"):
         launch_command("/m", 1, SGLangOptions(tp_size=2), gpu_count=1, max_running_requests=1, key_config="k")
-    for flag in ("--api-key", "--admin-api-key=x", "--config", "--api-k=y", "--conf"):  # prefixes too: the engine's key stays the only one
+    for flag in (
+        "--api-key",
+        "--admin-api-key=x",
+        "--config",
+        "--api-k=y",
+        "--conf",
+    ):  # prefixes too: the engine's key stays the only one
         with pytest.raises(ValueError, match=f"extra_args may not hold {flag.split('=')[0]}"):
             launch_command("/m", 1, SGLangOptions(extra_args=[flag, "x"]), 1, 1, key_config="k")
     if importlib.util.find_spec("sglang") is None:
