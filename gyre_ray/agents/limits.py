@@ -30,6 +30,7 @@ import ctypes
 import os
 import resource
 import sys
+from collections.abc import Mapping
 
 _CLONE_NEWNS, _CLONE_NEWIPC = 0x00020000, 0x08000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
@@ -102,12 +103,14 @@ def private_scratch(needed: list[str]) -> list[str]:
     ]
 
 
-def needed_paths(command: list[str], cwd: str | None) -> list[str]:
+def needed_paths(command: list[str], cwd: str | None, env: Mapping[str, str] | None = None) -> list[str]:
     """Absolute paths the command will reach: its arguments' as given (they may name the agent's files:
     never resolved here, as root), and, resolved too in case a link leads into a scratch folder, `cwd`,
-    its HOME and TMPDIR, the folders of its PATH and this interpreter (all the job's)."""
-    jobs = [cwd or "", os.environ.get("HOME", ""), os.environ.get("TMPDIR", ""), sys.executable]
-    jobs += os.environ.get("PATH", "").split(":")
+    its HOME and TMPDIR, the folders of its PATH (from `env`, by default this process's) and this
+    interpreter (all the job's). `supervise` asks the same to know which scratch folders go private."""
+    env = os.environ if env is None else env
+    jobs = [cwd or "", env.get("HOME", ""), env.get("TMPDIR", ""), sys.executable]
+    jobs += env.get("PATH", "").split(":")
     jobs = [v for v in jobs if v.startswith("/")]
     return [v for v in command if v.startswith("/")] + jobs + [os.path.realpath(v) for v in jobs]
 

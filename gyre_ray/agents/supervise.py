@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gyre_ray.agents.limits import needed_paths, private_scratch
 from gyre_ray.agents.sandbox import (
     Identity,
     Limits,
@@ -80,12 +81,22 @@ class _DiskWatch:
     not slow the watch of /dev/shm). `ram_mb`: what it added that is memory of no process (its files
     on tmpfs such as /dev/shm, its SysV shared memory no process has attached), for the memory limit."""
 
-    def __init__(self, folders: list[Path], limit_mb: int, identity: Identity, memory_mb: int = 0) -> None:
+    def __init__(
+        self,
+        folders: list[Path],
+        limit_mb: int,
+        identity: Identity,
+        memory_mb: int = 0,
+        private: tuple[str, ...] = (),
+    ) -> None:
         self.limit_mb, self.ram_mb = limit_mb, 0.0
         self.parts = [_Usage(lambda: (disk_mb(folders), 0.0))] if limit_mb else []
         if identity.dedicated and (limit_mb or memory_mb):
             uid, gid = identity.uid, identity.gid
-            self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,))) for root in scratch_roots()]
+            shared = [
+                root for root in scratch_roots() if root not in private
+            ]  # its own tmpfs bounds the rest
+            self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,))) for root in shared]
             self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
 
     def over(self, now: float) -> str:
@@ -122,7 +133,11 @@ def supervise(
     start = time.monotonic()
     timed_out, limit = False, ""
     grant_runtime(identity, command)
-    disk = _DiskWatch(watch, limits.max_disk_mb, identity, limits.max_memory_mb)  # before it can write
+    # the scratch folders the wrapper gives a private tmpfs (bounded by its size) need no walk from here
+    private = tuple(private_scratch(needed_paths(command, str(cwd), env))) if identity.dedicated else ()
+    disk = _DiskWatch(
+        watch, limits.max_disk_mb, identity, limits.max_memory_mb, private
+    )  # before it can write
     log_fd = open_log(log_path)
     with os.fdopen(log_fd, "ab") as log:
         proc = subprocess.Popen(
