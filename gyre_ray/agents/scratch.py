@@ -15,11 +15,11 @@ import shutil
 import stat
 from pathlib import Path
 
-from gyre_ray.agents.limits import PRIVATE_SCRATCH, present_folders
-
-# the folders any user may write on common systems (where present and not links): the ones the limits
-# wrapper backs with the execution's private tmpfs, and POSIX message queues
-SCRATCH_FOLDERS = (*PRIVATE_SCRATCH, "/dev/mqueue")
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# more folders any user may write on common systems (where present and not links): with a private
+# mount namespace (`gyre_ray.agents.limits`) the execution gets its own tmpfs at each of these; without
+# one (a host that refuses the mount) what its uid leaves there is removed at reclaim
+MORE_SCRATCH_DIRS = ("/run/lock", "/var/lock", "/var/crash", "/run/shm", "/dev/mqueue")
 RAM_FS = frozenset(("tmpfs", "ramfs", "hugetlbfs"))  # a file there is memory, not disk
 IPC_RMID = 0
 
@@ -95,8 +95,8 @@ _scanned: tuple[tuple[str, ...], frozenset[int]] | None = None
 
 
 def scratch_roots() -> tuple[str, ...]:
-    """The folders where an execution's uid may leave files outside its own: those of SCRATCH_FOLDERS that
-    are folders here (not links), found once per process."""
+    """The folders where an execution's uid may leave files outside its own: those of SCRATCH_DIRS and
+    MORE_SCRATCH_DIRS that are folders here (not links), found once per process."""
     return _scan()[0]
 
 
@@ -118,14 +118,21 @@ def _scan() -> tuple[tuple[str, ...], frozenset[int]]:
                 ram_devs.add(os.makedev(int(major), int(minor)))
         except (ValueError, IndexError):
             continue
-    _scanned = (tuple(present_folders(SCRATCH_FOLDERS)), frozenset(ram_devs))
+    found = []
+    for path in SCRATCH_DIRS + MORE_SCRATCH_DIRS:
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                found.append(path)
+        except OSError:
+            continue
+    _scanned = (tuple(found), frozenset(ram_devs))
     return _scanned
 
 
-def _sysv_ipc(uid: int, kinds: tuple[str, ...] = ("shm", "sem", "msg")):
-    """(kind, id, row) of each SysV IPC object of `kinds` `uid` owns or created ('shm', 'sem' or 'msg';
-    row: its line of /proc/sysvipc/<kind> by column)."""
-    for kind in kinds:
+def _sysv_ipc(uid: int):
+    """(kind, id, row) of each SysV IPC object `uid` owns or created ('shm', 'sem' or 'msg'; row: its
+    line of /proc/sysvipc/<kind> by column)."""
+    for kind in ("shm", "sem", "msg"):
         try:
             lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
         except OSError:
@@ -156,7 +163,7 @@ def remove_ipc(uid: int) -> None:
 def detached_shm_mb(uid: int) -> float:
     """MiB resident in `uid`'s SysV shared-memory segments that no process has attached (memory of no
     process: an attached one is in its resident memory)."""
-    rows = (row for _, _, row in _sysv_ipc(uid, ("shm",)) if row.get("nattch") == "0")
+    rows = (row for kind, _, row in _sysv_ipc(uid) if kind == "shm" and row.get("nattch") == "0")
     return sum(int(row.get("rss", 0)) for row in rows) / (1 << 20)
 
 

@@ -97,8 +97,7 @@ class _DiskWatch:
                 root for root in scratch_roots() if root not in private
             ]  # its own tmpfs bounds the rest
             self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,))) for root in shared]
-            if memory_mb:  # (what it gives counts toward the memory limit only)
-                self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
+            self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
 
     def over(self, now: float) -> str:
         for part in self.parts:
