@@ -6,7 +6,7 @@ model, float32, tree core attention, gloo on 127.0.0.1, one thread each), once p
 `trainer.context_parallel_split`. Per rank: the attention's query x key pairs (its plan, exact) and the
 CPU seconds of the step (`time.process_time`; the ranks share this machine's cores, so CPU time, not
 wall time, is what each rank's work costs). A step takes as long as its busiest rank: the figure is
-max / mean over the ranks. The gradient norms of the two splits must agree. Saves
+max / mean over the ranks. The gradient norms of the three splits must agree. Saves
 benchmarks/results/megatron_cp_split_cpu<cores>.json.
 """
 

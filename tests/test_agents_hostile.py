@@ -183,6 +183,45 @@ def test_filling_the_disk_or_memory_is_cut_off_with_a_reason(exec_tmp: Path) -> 
     assert out.valid and "memory limit (200 MiB)" in out.reason and not out.timed_out
 
 
+FILLER = "import os\ni = 0\nwhile True:\n    open(f'f{i}.bin','wb').write(os.urandom(1 << 20)); i += 1"
+
+
+def test_a_slow_walk_of_shared_scratch_does_not_blind_the_disk_watch(exec_tmp: Path, monkeypatch) -> None:
+    """A busy shared /tmp took 0.5 s and more to walk under load; the workspace, walked in the same loop
+    after it, went unmeasured that long, and a filler wrote 297 MiB past a 24 MiB limit. Each measure now
+    runs on its own: with the shared walk taking 3 s, the workspace's is still taken every few tenths."""
+    import gyre_ray.agents.supervise as supervise_module
+
+    real = supervise_module.scratch_usage
+
+    def slow_scratch_usage(*args, **kwargs):
+        time.sleep(3.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(supervise_module, "scratch_usage", slow_scratch_usage)
+    out = run_execution(
+        "slow", _task(), NOWHERE, exec_tmp / "ws", command=_py(FILLER), timeout_s=60,
+        limits=Limits(max_disk_mb=24),
+    )  # fmt: skip
+    assert out.valid and "disk limit (24 MiB)" in out.reason and not out.timed_out
+    used = sum(p.stat().st_size for p in (exec_tmp / "ws").iterdir()) >> 20
+    assert 24 <= used < 150, used
+
+
+def test_a_workspace_under_shared_scratch_counts_once(exec_tmp: Path) -> None:
+    """A run folder under a shared /tmp: the workspace's files are the uid's files in /tmp as well, and
+    were counted twice, so 16 MiB written passed a 24 MiB limit."""
+    writer = "open('a.bin','wb').write(b'x' * (8 << 20)); open('b.bin','wb').write(b'y' * (8 << 20))"
+    writer += "\nimport time; time.sleep(3)"
+    assert str(exec_tmp).startswith("/tmp/")
+    out = run_execution(
+        "once", _task(), NOWHERE, exec_tmp / "ws", command=_py(writer), timeout_s=60,
+        limits=Limits(max_disk_mb=24),
+    )  # fmt: skip
+    assert out.valid and out.exit_code == 0 and "limit" not in out.reason, out.reason
+    assert sum(p.stat().st_size for p in (exec_tmp / "ws").iterdir()) >> 20 == 16
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     proxy = ServedProxy(

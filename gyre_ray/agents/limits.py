@@ -92,14 +92,17 @@ def _bind_into(libc: ctypes.CDLL, base: str, folder: str) -> int:
     return libc.mount(inside.encode(), folder.encode(), None, _MS_BIND, None)
 
 
+def present_folders(folders: tuple[str, ...]) -> list[str]:
+    """Those of `folders` that are folders here, not links."""
+    return [folder for folder in folders if os.path.isdir(folder) and not os.path.islink(folder)]
+
+
 def private_scratch(needed: list[str]) -> list[str]:
     """The PRIVATE_SCRATCH folders present here (not links) that hold none of the `needed` paths."""
     return [
         folder
-        for folder in PRIVATE_SCRATCH
-        if os.path.isdir(folder)
-        and not os.path.islink(folder)
-        and not any(path == folder or path.startswith(folder + "/") for path in needed)
+        for folder in present_folders(PRIVATE_SCRATCH)
+        if not any(path == folder or path.startswith(folder + "/") for path in needed)
     ]
 
 

@@ -43,6 +43,7 @@ from gyre_ray.agents.scratch import remove_ipc, remove_scratch
 USER_PREFIX = "gyre-exec-"
 GROUP = "gyre-exec"  # the pool users' shared primary group: may traverse what they need to reach
 LOCK_DIR = Path(os.environ.get("GYRE_SANDBOX_LOCK_DIR", "/tmp/gyre-ray-sandbox"))
+LIMITS_SCRIPT = str(Path(limits_module.__file__).resolve())  # run by path: see limited_command
 BASE_ENV_NAMES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
@@ -238,7 +239,7 @@ def limited_command(command: list[str], limits: Limits, identity: Identity, cwd:
     root (isolated: `python -I -S` on the script itself), gives it a private /proc, /tmp and IPC (the
     tmpfs as large as its disk limit, SysV memory bounded by its memory limit), becomes the uid and
     only then enters `cwd` (and only then is the process count, per uid, limited)."""
-    wrapper = [sys.executable, "-I", "-S", str(Path(limits_module.__file__).resolve()), "--cwd", str(cwd)]
+    wrapper = [sys.executable, "-I", "-S", LIMITS_SCRIPT, "--cwd", str(cwd)]
     if identity.dedicated:
         wrapper += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
         wrapper += ["--scratch-mb", str(limits.max_disk_mb), "--memory-mb", str(limits.max_memory_mb)]

@@ -15,11 +15,11 @@ import shutil
 import stat
 from pathlib import Path
 
-SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
-# more folders any user may write on common systems (where present and not links): with a private
-# mount namespace (`gyre_ray.agents.limits`) the execution gets its own tmpfs at each of these; without
-# one (a host that refuses the mount) what its uid leaves there is removed at reclaim
-MORE_SCRATCH_DIRS = ("/run/lock", "/var/lock", "/var/crash", "/run/shm", "/dev/mqueue")
+from gyre_ray.agents.limits import PRIVATE_SCRATCH, present_folders
+
+# the folders any user may write on common systems (where present and not links): the ones the limits
+# wrapper backs with the execution's private tmpfs, and POSIX message queues
+SCRATCH_FOLDERS = (*PRIVATE_SCRATCH, "/dev/mqueue")
 RAM_FS = frozenset(("tmpfs", "ramfs", "hugetlbfs"))  # a file there is memory, not disk
 IPC_RMID = 0
 
@@ -38,14 +38,16 @@ def remove_scratch(uid: int, roots: tuple[str, ...] | None = None, gid: int | No
             continue
 
 
-def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None):
+def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None, skip: tuple[str, ...] = ()):
     """(entry, lstat) of each entry `uid` owns in a folder under `roots` it may write (what it may have
-    left there; an owned folder is one entry, not entered). Only what the uid could reach is read:
-    folders it may not traverse are skipped, and only the entries of folders it may write are looked
-    at (a full walk of a busy /tmp took 0.6 s per execution)."""
+    left there; an owned folder is one entry, not entered), never in or at the paths `skip`. Only what
+    the uid could reach is read: folders it may not traverse are skipped, and only the entries of
+    folders it may write are looked at (a full walk of a busy /tmp took 0.6 s per execution)."""
     stack = list(roots)
     while stack:
         folder = stack.pop()
+        if folder in skip:
+            continue
         try:
             st = os.lstat(folder)
             if not stat.S_ISDIR(st.st_mode) or not _may(st, uid, gid, 0o1):
@@ -56,6 +58,8 @@ def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None):
         writable = _may(st, uid, gid, 0o2)
         for entry in entries:
             try:
+                if entry.path in skip:
+                    continue
                 if writable and (entry_st := entry.stat(follow_symlinks=False)).st_uid == uid:
                     yield entry, entry_st
                 elif entry.is_dir(follow_symlinks=False):
@@ -64,13 +68,17 @@ def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None):
                 continue
 
 
-def scratch_usage(uid: int, gid: int | None, roots: tuple[str, ...] | None = None) -> tuple[float, float]:
+def scratch_usage(
+    uid: int, gid: int | None, roots: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()
+) -> tuple[float, float]:
     """MiB allocated to what `uid` owns in shared scratch (`roots`, by default `scratch_roots()`; a
-    folder it owns there counted whole), and how much of that is memory (tmpfs, e.g. /dev/shm)."""
+    folder it owns there counted whole; nothing in or at the folders `skip`, e.g. its own workspace
+    under a shared /tmp, counted on its own), and how much of that is memory (tmpfs, e.g. /dev/shm)."""
     ram_devs = _scan()[1]
     total = ram = 0
     seen: set[tuple[int, int]] = set()  # a file linked twice counts once
-    for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid):
+    skip = tuple(os.path.realpath(path) for path in skip)
+    for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid, skip):
         statuses = [st]
         if stat.S_ISDIR(st.st_mode):
             for dirpath, dirnames, filenames in os.walk(entry.path):
@@ -95,8 +103,8 @@ _scanned: tuple[tuple[str, ...], frozenset[int]] | None = None
 
 
 def scratch_roots() -> tuple[str, ...]:
-    """The folders where an execution's uid may leave files outside its own: those of SCRATCH_DIRS and
-    MORE_SCRATCH_DIRS that are folders here (not links), found once per process."""
+    """The folders where an execution's uid may leave files outside its own: those of SCRATCH_FOLDERS that
+    are folders here (not links), found once per process."""
     return _scan()[0]
 
 
@@ -118,21 +126,14 @@ def _scan() -> tuple[tuple[str, ...], frozenset[int]]:
                 ram_devs.add(os.makedev(int(major), int(minor)))
         except (ValueError, IndexError):
             continue
-    found = []
-    for path in SCRATCH_DIRS + MORE_SCRATCH_DIRS:
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                found.append(path)
-        except OSError:
-            continue
-    _scanned = (tuple(found), frozenset(ram_devs))
+    _scanned = (tuple(present_folders(SCRATCH_FOLDERS)), frozenset(ram_devs))
     return _scanned
 
 
-def _sysv_ipc(uid: int):
-    """(kind, id, row) of each SysV IPC object `uid` owns or created ('shm', 'sem' or 'msg'; row: its
-    line of /proc/sysvipc/<kind> by column)."""
-    for kind in ("shm", "sem", "msg"):
+def _sysv_ipc(uid: int, kinds: tuple[str, ...] = ("shm", "sem", "msg")):
+    """(kind, id, row) of each SysV IPC object of `kinds` `uid` owns or created ('shm', 'sem' or 'msg';
+    row: its line of /proc/sysvipc/<kind> by column)."""
+    for kind in kinds:
         try:
             lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
         except OSError:
@@ -163,7 +164,7 @@ def remove_ipc(uid: int) -> None:
 def detached_shm_mb(uid: int) -> float:
     """MiB resident in `uid`'s SysV shared-memory segments that no process has attached (memory of no
     process: an attached one is in its resident memory)."""
-    rows = (row for kind, _, row in _sysv_ipc(uid) if kind == "shm" and row.get("nattch") == "0")
+    rows = (row for _, _, row in _sysv_ipc(uid, ("shm",)) if row.get("nattch") == "0")
     return sum(int(row.get("rss", 0)) for row in rows) / (1 << 20)
 
 

@@ -15,6 +15,7 @@ import os
 import signal
 import stat
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,27 +59,31 @@ def _over_limit(identity: Identity, session: int, limits: Limits, outside_mb: fl
 
 
 class _Usage:
-    """One measure, (disk MiB, of which memory MiB), over what it gave when the watch began; taken again
-    often while it is cheap, rarer where costly (waits 20 times what it took)."""
+    """One measure, (disk MiB, of which memory MiB), over what it gave when the watch began. Taken again
+    in a thread of its own, so a slow walk (a busy shared /tmp: 0.5 s and more under load) never holds
+    up the other measures or the memory and process checks: often while cheap, rarer where costly (it
+    waits 20 times what the last one took)."""
 
     def __init__(self, measure: Callable[[], tuple[float, float]]) -> None:
-        self.measure, self.next_at, self.added = measure, 0.0, (0.0, 0.0)
+        self.measure, self.added = measure, (0.0, 0.0)
         self.baseline = measure()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="gyre-disk-watch", daemon=True)
 
-    def update(self, now: float) -> None:
-        if now < self.next_at:
-            return
-        start = time.monotonic()
-        disk, ram = self.measure()
-        self.added = (max(0.0, disk - self.baseline[0]), max(0.0, ram - self.baseline[1]))
-        self.next_at = now + max(POLL_S, 20 * (time.monotonic() - start))
+    def _watch(self) -> None:
+        while not self.stopped.is_set():
+            start = time.monotonic()
+            disk, ram = self.measure()
+            self.added = (max(0.0, disk - self.baseline[0]), max(0.0, ram - self.baseline[1]))
+            self.stopped.wait(max(POLL_S, 20 * (time.monotonic() - start)))
 
 
 class _DiskWatch:
     """Disk the command adds (over what was there when it started: seeds, or what a harness left for its
     evaluator) to its folders and, with a uid of its own, to the machine's shared scratch folders (the
-    files its uid owns under each of `scratch_roots`, each root timed on its own, so a busy /tmp does
-    not slow the watch of /dev/shm). `ram_mb`: what it added that is memory of no process (its files
+    files its uid owns under each of `scratch_roots`, its own folders there not counted twice; each
+    root measured in a thread of its own, so a busy /tmp does not slow the watch of /dev/shm or of the
+    workspace). `ram_mb`: what it added that is memory of no process (its files
     on tmpfs such as /dev/shm, its SysV shared memory no process has attached), for the memory limit."""
 
     def __init__(
@@ -96,12 +101,22 @@ class _DiskWatch:
             shared = [
                 root for root in scratch_roots() if root not in private
             ]  # its own tmpfs bounds the rest
-            self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,))) for root in shared]
-            self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
+            own = tuple(str(folder) for folder in folders)  # under a shared /tmp: counted once, above
+            self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,), skip=own)) for root in shared]
+            if memory_mb:  # (what it gives counts toward the memory limit only)
+                self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
 
-    def over(self, now: float) -> str:
+    def start(self) -> None:
         for part in self.parts:
-            part.update(now)
+            part.thread.start()
+
+    def stop(self) -> None:
+        """The threads end after the measure under way (not waited for: the watch's answer is no longer read)."""
+        for part in self.parts:
+            part.stopped.set()
+
+    def over(self) -> str:
+        """The disk limit passed, by the latest measure of each part ('' when not)."""
         self.ram_mb = sum(part.added[1] for part in self.parts)
         used = sum(part.added[0] for part in self.parts)
         return f"disk limit ({self.limit_mb} MiB)" if self.limit_mb and used > self.limit_mb else ""
@@ -149,15 +164,18 @@ def supervise(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    while proc.poll() is None:
-        now = time.monotonic()
-        if now - start > timeout_s:
-            timed_out = True
-            break
-        limit = _over_limit(identity, proc.pid, limits, disk.ram_mb) or disk.over(now)
-        if limit:
-            break
-        time.sleep(POLL_S)
+    disk.start()
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - start > timeout_s:
+                timed_out = True
+                break
+            limit = _over_limit(identity, proc.pid, limits, disk.ram_mb) or disk.over()
+            if limit:
+                break
+            time.sleep(POLL_S)
+    finally:
+        disk.stop()
     with contextlib.suppress(ProcessLookupError, PermissionError):  # its group, as root: also a wrapper
         os.killpg(proc.pid, signal.SIGKILL)  # still root (not yet the uid, which kill_all kills as)
     clean = kill_all(identity, proc.pid)

@@ -57,14 +57,14 @@ class _GatherColumns(torch.autograd.Function):
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(split.group))]
         dist.all_gather(parts, x, group=split.group)
         gathered = torch.cat(parts, dim=0)  # rank after rank: each rank's columns in its own order
-        return gathered if split.in_rank_order else gathered.index_select(0, split.unshuffle.to(x.device))
+        return gathered if split.in_rank_order else gathered.index_select(0, split.unshuffle)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         split = ctx.split
         grad = grad.contiguous()
         dist.all_reduce(grad, group=split.group)
-        return grad.index_select(0, split.columns.to(grad.device)), None
+        return grad.index_select(0, split.columns), None
 
 
 class _SumAcross(torch.autograd.Function):
@@ -169,8 +169,8 @@ class ColumnSplit:
     gathered tensor (every rank's columns, rank after rank), `unshuffle`, the gathered row of each column."""
 
     group: Any
-    columns: torch.Tensor  # (width / ranks,) long
-    unshuffle: torch.Tensor  # (width,) long
+    columns: torch.Tensor  # (width / ranks,) long, on the batch's device
+    unshuffle: torch.Tensor  # (width,) long, on the batch's device
     in_rank_order: bool  # the gathered rows are the columns already (a contiguous split)
 
 
@@ -192,14 +192,15 @@ class ColumnShare:
     parent_index: torch.Tensor  # (B, width), padded with -1 (no token scored there)
     layout: TreeLayout  # the rows' segments; padding columns see only themselves
     ranges: tuple[tuple[int, int], ...]
+    # index tensors on the batch's device (built once per micro-batch, used by every layer):
     columns: torch.Tensor  # (width / ranks,) long: the ranges' columns in order
     local: torch.Tensor  # (width,) long: a column's place among this rank's columns, -1 elsewhere
     unshuffle: torch.Tensor  # (width,) long: a column's row in the group's gathered shares
     length: int  # the micro-batch's own width (before padding)
+    in_rank_order: bool  # every rank's columns are one run, in rank order (contiguous): no unshuffle
 
     def column_split(self, group: Any) -> ColumnSplit:
-        in_order = bool(torch.equal(self.unshuffle, torch.arange(self.unshuffle.numel())))
-        return ColumnSplit(group, self.columns, self.unshuffle, in_order)
+        return ColumnSplit(group, self.columns, self.unshuffle, self.in_rank_order)
 
 
 def share_of(batch: MicroBatch, ranks: int, rank: int, split: str = "balanced") -> ColumnShare:
@@ -223,12 +224,15 @@ def share_of(batch: MicroBatch, ranks: int, rank: int, split: str = "balanced") 
 
     layout = TreeLayout(width, mask.rows)
     assignment = split_columns(layout, ranks, split, chunks)
-    every = [torch.cat([torch.arange(lo, hi) for lo, hi in ranges]) for ranges in assignment]
+    device = batch.input_ids.device
+    every = [torch.cat([torch.arange(lo, hi, device=device) for lo, hi in ranges]) for ranges in assignment]
     columns = every[rank]
-    local = torch.full((width,), -1, dtype=torch.long)
-    local[columns] = torch.arange(columns.numel())
-    unshuffle = torch.empty(width, dtype=torch.long)
-    unshuffle[torch.cat(every)] = torch.arange(width)
+    local = torch.full((width,), -1, dtype=torch.long, device=device)
+    local[columns] = torch.arange(columns.numel(), device=device)
+    unshuffle = torch.empty(width, dtype=torch.long, device=device)
+    unshuffle[torch.cat(every)] = torch.arange(width, device=device)
+    bounds = [edge for ranges in assignment for lo, hi in ranges for edge in (lo, hi)]
+    in_rank_order = bounds == sorted(bounds)  # rank after rank, the columns in order: unshuffle is arange
     return ColumnShare(
         padded(batch.input_ids, 0),
         padded(batch.position_ids, 0),
@@ -239,6 +243,7 @@ def share_of(batch: MicroBatch, ranks: int, rank: int, split: str = "balanced") 
         local,
         unshuffle,
         length,
+        in_rank_order,
     )
 
 
@@ -248,7 +253,7 @@ def share_logprobs(logits: torch.Tensor, share: ColumnShare, group: Any) -> torc
     ids, parent = share.input_ids, share.parent_index
     rows, width = ids.shape
     held = share.columns.numel()
-    local = share.local.to(ids.device)[parent.clamp(min=0)]  # the parent's place here, -1: elsewhere
+    local = share.local[parent.clamp(min=0)]  # the parent's place here, -1: elsewhere
     here = (parent >= 0) & (local >= 0)
     flat = (torch.arange(rows, device=ids.device)[:, None] * held + local.clamp(min=0)).reshape(-1)
     logp = torch.log_softmax(

@@ -145,8 +145,8 @@ class MegatronTrainer(Trainer):
         except ValueError as exc:
             raise MegatronInputError(str(exc)) from None
         plan = plan_tree(share.layout, self.local_heads, self.device, queries=share.ranges)
-        columns = share.columns.to(self.device)
-        ids, positions = share.input_ids.index_select(1, columns), share.position_ids.index_select(1, columns)
+        ids = share.input_ids.index_select(1, share.columns)
+        positions = share.position_ids.index_select(1, share.columns)
         logits = self._logits(ids, positions, SharePlan(plan, share.column_split(self.cp_group)))
         return share_logprobs(logits, share, self.cp_group)
 
