@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -197,3 +198,35 @@ def test_the_job_never_opens_a_fifo_or_link_the_execution_left_as_its_log(tmp_pa
     assert (tmp_path / "fresh.log").read_bytes() == b"ok" and (
         tmp_path / "fresh.log"
     ).stat().st_mode & 0o777 == 0o600
+
+
+WITHOUT_MOUNTS = r"""
+import sys, tempfile
+from pathlib import Path
+from security_cases import NOWHERE, py, task
+from gyre_ray.agents.runner import run_execution
+from gyre_ray.agents.sandbox import Limits, private_mounts_work
+fill = "open('/dev/shm/gyre-shared-fill', 'wb').write(b'x' * (40 << 20)); import time; time.sleep(5)"
+base = Path(tempfile.mkdtemp(prefix="gyre-exec-test-", dir="/var/lib"))
+out = run_execution("nomount", task(), NOWHERE, base / "ws", command=py(fill), timeout_s=60,
+                    limits=Limits(max_disk_mb=24))
+import shutil; shutil.rmtree(base, ignore_errors=True)
+print("WORKS", private_mounts_work(), "REASON", out.reason)
+"""
+
+
+@needs_root
+def test_a_host_refusing_private_mounts_has_shared_scratch_watched() -> None:
+    """A pod without CAP_SYS_ADMIN refuses the wrapper's mounts, so /dev/shm and the like stay shared:
+    the job learns it before the first execution and watches them (it took them as private, so 40 MiB
+    written to the shared /dev/shm passed a 24 MiB disk limit unseen)."""
+    done = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c", WITHOUT_MOUNTS],
+        cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "WORKS False REASON killed at its disk limit (24 MiB)" in done.stdout, (
+        done.stdout + done.stderr[-2000:]
+    )
+    assert "private scratch folders are not available here" in done.stderr
+    assert not Path("/dev/shm/gyre-shared-fill").exists()  # swept at reclaim

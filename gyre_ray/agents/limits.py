@@ -15,7 +15,8 @@ which an evaluator's run finds as the agent left it: root never works in it). It
 (`-I -S`: neither the environment's PYTHON* variables, the working folder nor site-packages reach
 its imports). A host
 that refuses the namespace or a mount (no CAP_SYS_ADMIN) gets one warning line in the execution's
-log and the shared folders (whose leftovers `sandbox.reclaim` removes: `gyre_ray.agents.scratch`).
+log and the shared folders (whose leftovers `sandbox.reclaim` removes: `gyre_ray.agents.scratch`);
+the job learns it beforehand (`--probe`, once per process) and watches those folders instead.
 
 Then, as the uid, `RLIMIT_NPROC` (which counts processes per uid) bounds a fork bomb to N processes;
 `RLIMIT_FSIZE` ends a write past M MiB (one file, the log included); no core dumps; files it creates
@@ -147,8 +148,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-mb", type=int, default=0, help="bound on its SysV shared memory (0: none)")
     parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--fsize-mb", type=int, default=0)
+    parser.add_argument("--probe", action="store_true", help="only try the private mounts; say what failed")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.probe:  # in this process's own namespace, gone with it
+        why = private_mounts(1, 0, [])
+        print(why or "ok")
+        sys.exit(1 if why else 0)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given")

@@ -26,7 +26,9 @@ An execution runs untrusted code (the agent under training, and whatever it writ
 from __future__ import annotations
 
 import fcntl
+import functools
 import grp
+import logging
 import os
 import pwd
 import shutil
@@ -44,6 +46,7 @@ USER_PREFIX = "gyre-exec-"
 GROUP = "gyre-exec"  # the pool users' shared primary group: may traverse what they need to reach
 LOCK_DIR = Path(os.environ.get("GYRE_SANDBOX_LOCK_DIR", "/tmp/gyre-ray-sandbox"))
 LIMITS_SCRIPT = str(Path(limits_module.__file__).resolve())  # run by path: see limited_command
+log = logging.getLogger(__name__)
 BASE_ENV_NAMES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
@@ -246,6 +249,28 @@ def limited_command(command: list[str], limits: Limits, identity: Identity, cwd:
     wrapper += ["--nproc", str(limits.max_processes if identity.dedicated else 0)]
     wrapper += ["--fsize-mb", str(limits.max_file_mb), "--"]
     return wrapper + list(command)
+
+
+@functools.cache
+def private_mounts_work() -> bool:
+    """Whether this host lets the limits wrapper give an execution its private /proc, /tmp and IPC (a
+    pod without CAP_SYS_ADMIN does not): tried once per process, as the wrapper would. Where not, the
+    shared scratch folders stay shared, and the disk watch walks them all (one warning in the log)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", LIMITS_SCRIPT, "--probe"], cwd="/", capture_output=True, text=True,
+            timeout=30, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = subprocess.CompletedProcess([], 1, "", repr(exc))
+    if done.returncode == 0:
+        return True
+    why = (done.stdout.strip() or done.stderr.strip())[-300:]
+    log.warning("private scratch folders are not available here (%s): executions share /tmp and the like, "
+                "whose use the disk watch walks", why)  # fmt: skip
+    return False
 
 
 def processes_of(identity: Identity, session: int | None) -> list[int]:

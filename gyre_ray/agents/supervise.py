@@ -29,6 +29,7 @@ from gyre_ray.agents.sandbox import (
     grant_runtime,
     kill_all,
     limited_command,
+    private_mounts_work,
     processes_of,
     resident_mb,
 )
@@ -149,7 +150,9 @@ def supervise(
     timed_out, limit = False, ""
     grant_runtime(identity, command)
     # the scratch folders the wrapper gives a private tmpfs (bounded by its size) need no walk from here
-    private = tuple(private_scratch(needed_paths(command, str(cwd), env))) if identity.dedicated else ()
+    private = ()
+    if identity.dedicated and private_mounts_work():
+        private = tuple(private_scratch(needed_paths(command, str(cwd), env)))
     disk = _DiskWatch(
         watch, limits.max_disk_mb, identity, limits.max_memory_mb, private
     )  # before it can write
