@@ -27,6 +27,7 @@ are private (umask 077). Memory, total disk and wall time are watched from outsi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import resource
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-mb", type=int, default=0, help="bound on its SysV shared memory (0: none)")
     parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--fsize-mb", type=int, default=0)
+    parser.add_argument("--report-fd", type=int, default=-1, help="write 'ok' here once the mounts are done")
     parser.add_argument("--probe", action="store_true", help="only try the private mounts; say what failed")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -166,10 +168,16 @@ def main(argv: list[str] | None = None) -> None:
             if why:
                 print(f"gyre-ray: warning: private /proc, /tmp and IPC incomplete ({why}); the shared ones "
                       "are used from there on", file=sys.stderr, flush=True)  # fmt: skip
+            elif args.report_fd >= 0:  # the job then need not sweep the folders its tmpfs served
+                os.write(args.report_fd, b"ok")
             become(args.uid, args.gid)
         except Exception as exc:  # as root: one line, never a traceback, and the command never starts
             print(f"gyre-ray: cannot start {command[0]!r}: sandbox setup failed ({exc!r})", file=sys.stderr)
             sys.exit(127)
+        finally:
+            if args.report_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(args.report_fd)  # never handed to the command
     apply_limits(args.nproc, args.fsize_mb)
     try:
         if args.cwd is not None:

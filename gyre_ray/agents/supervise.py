@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -82,7 +83,7 @@ class _Usage:
 class _DiskWatch:
     """Disk the command adds (over what was there when it started: seeds, or what a harness left for its
     evaluator) to its folders and, with a uid of its own, to the machine's shared scratch folders (the
-    files its uid owns under each of `scratch_roots`, its own folders there not counted twice; each
+    files its uid owns under each of the `shared` scratch roots, its own folders there not counted twice; each
     root measured in a thread of its own, so a busy /tmp does not slow the watch of /dev/shm or of the
     workspace). `ram_mb`: what it added that is memory of no process (its files
     on tmpfs such as /dev/shm, its SysV shared memory no process has attached), for the memory limit."""
@@ -93,15 +94,12 @@ class _DiskWatch:
         limit_mb: int,
         identity: Identity,
         memory_mb: int = 0,
-        private: tuple[str, ...] = (),
+        shared: tuple[str, ...] = (),
     ) -> None:
         self.limit_mb, self.ram_mb = limit_mb, 0.0
         self.parts = [_Usage(lambda: (disk_mb(folders), 0.0))] if limit_mb else []
         if identity.dedicated and (limit_mb or memory_mb):
             uid, gid = identity.uid, identity.gid
-            shared = [
-                root for root in scratch_roots() if root not in private
-            ]  # its own tmpfs bounds the rest
             own = tuple(str(folder) for folder in folders)  # under a shared /tmp: counted once, above
             self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,), skip=own)) for root in shared]
             if memory_mb:  # (what it gives counts toward the memory limit only)
@@ -121,6 +119,21 @@ class _DiskWatch:
         self.ram_mb = sum(part.added[1] for part in self.parts)
         used = sum(part.added[0] for part in self.parts)
         return f"disk limit ({self.limit_mb} MiB)" if self.limit_mb and used > self.limit_mb else ""
+
+
+def _read_report(fd: int, timeout_s: float) -> str:
+    """What the limits wrapper wrote on `fd` ('ok': its private mounts are in place) before closing it
+    (it does before the command starts), read to the end within `timeout_s`; `fd` is closed."""
+    deadline, chunks = time.monotonic() + timeout_s, []
+    try:
+        while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 64)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode(errors="replace")
 
 
 def open_log(path: Path) -> int:
@@ -149,24 +162,37 @@ def supervise(
     start = time.monotonic()
     timed_out, limit = False, ""
     grant_runtime(identity, command)
-    # the scratch folders the wrapper gives a private tmpfs (bounded by its size) need no walk from here
-    private = ()
-    if identity.dedicated and private_mounts_work():
-        private = tuple(private_scratch(needed_paths(command, str(cwd), env)))
+    shared: tuple[str, ...] = ()
+    if identity.dedicated:  # those the wrapper gives a private tmpfs (bounded by its size) need no walk
+        private = private_scratch(needed_paths(command, str(cwd), env)) if private_mounts_work() else []
+        shared = tuple(root for root in scratch_roots() if root not in private)
+        identity.shared_scratch.update(shared)  # what `reclaim` sweeps
     disk = _DiskWatch(
-        watch, limits.max_disk_mb, identity, limits.max_memory_mb, private
+        watch, limits.max_disk_mb, identity, limits.max_memory_mb, shared
     )  # before it can write
     log_fd = open_log(log_path)
+    report, report_w = os.pipe() if identity.dedicated else (-1, -1)
     with os.fdopen(log_fd, "ab") as log:
-        proc = subprocess.Popen(
-            limited_command(command, limits, identity, cwd),  # becomes the uid, then enters cwd
-            cwd="/",
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        try:
+            proc = subprocess.Popen(
+                limited_command(command, limits, identity, cwd, report_w if report_w >= 0 else None),
+                cwd="/",  # (it becomes the uid, then enters cwd)
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(report_w,) if report_w >= 0 else (),
+            )
+        except BaseException:
+            if report >= 0:
+                os.close(report)
+            raise
+        finally:
+            if report_w >= 0:
+                os.close(report_w)
+    if report >= 0 and _read_report(report, timeout_s=30.0) != "ok":  # its mounts failed: all shared
+        identity.shared_scratch.update(scratch_roots())
     disk.start()
     try:
         while proc.poll() is None:
