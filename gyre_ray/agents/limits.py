@@ -16,7 +16,9 @@ which an evaluator's run finds as the agent left it: root never works in it). It
 its imports). A host
 that refuses the namespace or a mount (no CAP_SYS_ADMIN) gets one warning line in the execution's
 log and the shared folders (whose leftovers `sandbox.reclaim` removes: `gyre_ray.agents.scratch`);
-the job learns it beforehand (`--probe`, once per process) and watches those folders instead.
+the job learns it beforehand (`--probe`, once per process) and watches those folders instead. With
+`--report-fd N` it writes "ok" on N once every mount is in place (the job then need not sweep the
+folders its tmpfs served) and closes N before the command starts.
 
 Then, as the uid, `RLIMIT_NPROC` (which counts processes per uid) bounds a fork bomb to N processes;
 `RLIMIT_FSIZE` ends a write past M MiB (one file, the log included); no core dumps; files it creates
