@@ -199,6 +199,7 @@ def test_a_slow_walk_of_shared_scratch_does_not_blind_the_disk_watch(exec_tmp: P
         return real(*args, **kwargs)
 
     monkeypatch.setattr(supervise_module, "scratch_usage", slow_scratch_usage)
+    monkeypatch.setattr(supervise_module, "private_mounts_work", lambda: False)  # the shared /tmp is walked
     out = run_execution(
         "slow", _task(), NOWHERE, exec_tmp / "ws", command=_py(FILLER), timeout_s=60,
         limits=Limits(max_disk_mb=24),
@@ -208,9 +209,12 @@ def test_a_slow_walk_of_shared_scratch_does_not_blind_the_disk_watch(exec_tmp: P
     assert 24 <= used < 150, used
 
 
-def test_a_workspace_under_shared_scratch_counts_once(exec_tmp: Path) -> None:
-    """A run folder under a shared /tmp: the workspace's files are the uid's files in /tmp as well, and
-    were counted twice, so 16 MiB written passed a 24 MiB limit."""
+def test_a_workspace_under_shared_scratch_counts_once(exec_tmp: Path, monkeypatch) -> None:
+    """A run folder under a shared /tmp (a host refusing the private mounts): the workspace's files are
+    the uid's files in /tmp as well, and were counted twice, so 16 MiB written passed a 24 MiB limit."""
+    import gyre_ray.agents.supervise as supervise_module
+
+    monkeypatch.setattr(supervise_module, "private_mounts_work", lambda: False)
     writer = "open('a.bin','wb').write(b'x' * (8 << 20)); open('b.bin','wb').write(b'y' * (8 << 20))"
     writer += "\nimport time; time.sleep(3)"
     assert str(exec_tmp).startswith("/tmp/")

@@ -247,9 +247,9 @@ def _swept_roots(monkeypatch) -> list[tuple[str, ...]]:
 
 @needs_root
 def test_reclaim_sweeps_only_the_scratch_folders_an_execution_shared(monkeypatch, exec_tmp: Path) -> None:
-    """Sweeping walks all a busy /tmp holds (0.5 s of CPU per execution here, a third of the default job's
-    step time with a checkout's .venv under /tmp): a /tmp the execution had as its own tmpfs is not swept;
-    one it shared (its run folder lies under /tmp) still is."""
+    """Sweeping walks all a busy /tmp holds (0.5 s of CPU per execution here, three quarters of the default
+    job's time with a checkout's .venv under /tmp): a /tmp the execution had as its own tmpfs is not swept,
+    its run folder under /tmp or not; one it shared (a host refusing the mounts) still is."""
     swept = _swept_roots(monkeypatch)
     base = Path(tempfile.mkdtemp(prefix="gyre-exec-test-", dir="/var/lib"))
     try:
@@ -258,8 +258,13 @@ def test_reclaim_sweeps_only_the_scratch_folders_an_execution_shared(monkeypatch
         shutil.rmtree(base, ignore_errors=True)
     assert out.exit_code == 0 and None not in swept  # swept nothing, or a shared /dev/mqueue alone
     assert not any({"/tmp", "/var/tmp", "/dev/shm", "/run/lock"} & set(roots) for roots in swept), swept
-    out = run_execution("shared", make_task(), NOWHERE, exec_tmp / "ws", command=py("pass"), timeout_s=60)
-    assert out.exit_code == 0 and "/tmp" in swept[-1] and "/dev/shm" not in swept[-1], swept
+    out = run_execution("under", make_task(), NOWHERE, exec_tmp / "ws", command=py("pass"), timeout_s=60)
+    assert out.exit_code == 0 and not any("/tmp" in roots for roots in swept), swept  # /tmp/...: private too
+    import gyre_ray.agents.supervise as supervise_module
+
+    monkeypatch.setattr(supervise_module, "private_mounts_work", lambda: False)  # a host refusing mounts
+    out = run_execution("shared", make_task(), NOWHERE, exec_tmp / "ws2", command=py("pass"), timeout_s=60)
+    assert out.exit_code == 0 and {"/tmp", "/dev/shm"} <= set(swept[-1]), swept
 
 
 MOUNTS_FAIL_LATE = r"""
@@ -291,3 +296,44 @@ def test_an_execution_whose_private_mounts_failed_has_its_scratch_swept() -> Non
         assert not left.exists()
     finally:
         left.unlink(missing_ok=True)
+
+
+UNDER_TMP = r"""
+import os
+marker = "@PATH@"
+print("SEES MARKER", os.path.exists(marker))
+open("/tmp/gyre-private-under", "w").write("x")
+open("mine.txt", "w").write("kept")
+try:
+    open(os.path.join(os.path.dirname(os.getcwd()), "beside.txt"), "w").write("x")
+    print("BESIDE WRITTEN")
+except OSError as exc:
+    print("BESIDE REFUSED", exc.errno)
+"""
+
+
+@needs_root
+def test_a_run_folder_under_tmp_gets_a_private_tmp_with_its_folders_bound_in(exec_tmp: Path) -> None:
+    """A run folder under /tmp kept the whole shared /tmp (readable, walked, swept). Now /tmp is its own
+    tmpfs with what it needs bound back in: its workspace writable, the rest of that entry read-only,
+    nothing else of the machine's /tmp there."""
+    marker = Path(tempfile.mkdtemp(prefix="gyre-shared-marker-", dir="/tmp"))
+    os.chmod(marker, 0o755)
+    workspace = exec_tmp / "ws"
+    try:
+        out = run_execution(
+            "under",
+            make_task(),
+            NOWHERE,
+            workspace,
+            command=py(UNDER_TMP.replace("@PATH@", str(marker))),
+            timeout_s=60,
+        )
+    finally:
+        shutil.rmtree(marker, ignore_errors=True)
+    assert out.exit_code == 0, out.log_tail
+    assert "SEES MARKER False" in out.log_tail, out.log_tail  # the machine's /tmp is not there
+    assert "BESIDE REFUSED" in out.log_tail, out.log_tail
+    assert (workspace / "mine.txt").read_text() == "kept"  # its workspace is the real one
+    assert not Path("/tmp/gyre-private-under").exists()  # what it wrote in /tmp was its own
+    assert not (exec_tmp / "beside.txt").exists()

@@ -33,11 +33,13 @@ import contextlib
 import ctypes
 import os
 import resource
+import stat
 import sys
 from collections.abc import Mapping
 
 _CLONE_NEWNS, _CLONE_NEWIPC = 0x00020000, 0x08000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x1000, 0x4000, 0x40000
+_MS_RDONLY, _MS_REMOUNT, _MNT_DETACH = 0x1, 0x20, 0x2
 _PR_SET_NO_NEW_PRIVS = 38
 # the shared folders any user may write, each backed by the execution's private tmpfs (where present,
 # not links, and holding nothing it needs)
@@ -45,34 +47,110 @@ PRIVATE_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/v
 DEFAULT_SCRATCH_MB = 1024  # the private tmpfs's size when no disk limit is set
 
 
-def private_mounts(scratch_mb: int, memory_mb: int, needed: list[str]) -> str:
+def private_mounts(scratch_mb: int, memory_mb: int, needed: list[str], own: list[str] | None = None) -> str:
     """Give this process (and what it starts) a mount and an IPC namespace of its own: /proc mounted
     hidepid=invisible (other uids' processes are not there); SysV shared memory bounded by `memory_mb`;
     and one tmpfs of `scratch_mb` MiB (nosuid, nodev, inodes bounded) at the first PRIVATE_SCRATCH
-    folder that holds none of the `needed` paths (its workspace, HOME, TMPDIR, the command's files: a
-    run folder under /tmp keeps the shared /tmp), with a folder of it bound over each other such
-    folder, so what it writes there is its alone, bounded in all, and gone with its last process.
+    folder, with a folder of it bound over each other one, so what it writes there is its alone,
+    bounded in all, and gone with its last process. What it needs in such a folder (its run folder
+    under /tmp: the `needed` paths) is bound back in: each top entry holding one read-only, and its
+    `own` folders (workspace, HOME, TMPDIR) over that writable, so nothing else of the shared folder
+    is there to read or write. A folder that is itself a needed path stays shared.
     '' when done, else what failed (from there on the shared ones are kept)."""
     libc = ctypes.CDLL(None, use_errno=True)
     size_mb = scratch_mb if scratch_mb > 0 else DEFAULT_SCRATCH_MB
     plain = _MS_NOSUID | _MS_NODEV
+    folders = private_scratch(needed)
+    through = {folder: tops for folder in folders if (tops := _tops_under(folder, needed))}
+    shared_fds: dict[str, int] = {}  # each such folder as it was, to bind from once it is covered
     steps = [
         ("unshare(CLONE_NEWNS | CLONE_NEWIPC)", lambda: libc.unshare(_CLONE_NEWNS | _CLONE_NEWIPC)),
         ("bounding SysV IPC", lambda: _bound_ipc(memory_mb)),
         ("making mounts private", lambda: libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None)),
         ("mounting /proc hidepid=invisible",
          lambda: libc.mount(b"proc", b"/proc", b"proc", plain | _MS_NOEXEC, b"hidepid=invisible")),
+        ("opening the scratch folders", lambda: _open_folders(list(through), shared_fds)),
     ]  # fmt: skip
-    folders = private_scratch(needed)
     if folders:
         base, options = folders[0], f"mode=1777,size={size_mb}m,nr_inodes={max(1024, size_mb * 256)}"
         steps.append((f"mounting a tmpfs at {base}", lambda: libc.mount(b"tmpfs", base.encode(), b"tmpfs", plain, options.encode())))  # fmt: skip
         for folder in folders[1:]:
             steps.append((f"binding {folder}", lambda f=folder: _bind_into(libc, base, f)))
+    for folder, tops in through.items():
+        steps.append((f"binding what it needs back into {folder}",
+                      lambda f=folder, t=tops: _bind_through(libc, f, shared_fds[f], t, own or [])))  # fmt: skip
     for step, call in steps:
         if call() != 0:
             return f"{step}: {os.strerror(ctypes.get_errno())}"
     return ""
+
+
+def _tops_under(folder: str, paths: list[str]) -> list[str]:
+    """The names of `folder`'s entries that hold (or are) one of `paths`."""
+    tops = set()
+    for path in paths:
+        path = os.path.normpath(path)
+        if path.startswith(folder + "/"):
+            tops.add(path[len(folder) + 1 :].split("/")[0])
+    return sorted(tops - {"", ".", ".."})
+
+
+def _open_folders(folders: list[str], fds: dict[str, int]) -> int:
+    """Each of `folders` opened (close-on-exec) into `fds`; -1 with errno set when one does not open."""
+    try:
+        for folder in folders:
+            fds[folder] = os.open(folder, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        ctypes.set_errno(exc.errno or 1)
+        return -1
+    return 0
+
+
+def _bind_through(libc: ctypes.CDLL, folder: str, fd: int, tops: list[str], own: list[str]) -> int:
+    """Into `folder`, now private, bind each of `tops` from the shared one (`fd`) read-only (a link is
+    made again as a link), then each `own` path under it writable. On failure the private folder is
+    taken away again (the shared one is seen), and -1 returned with errno set."""
+    try:
+        _bind_each(libc, folder, f"/proc/self/fd/{fd}", tops, own)
+        return 0
+    except OSError as exc:
+        libc.umount2(folder.encode(), _MNT_DETACH)
+        ctypes.set_errno(exc.errno or 1)
+        return -1
+
+
+def _bind_each(libc: ctypes.CDLL, folder: str, shared: str, tops: list[str], own: list[str]) -> None:
+    def mount(source: str | None, target: str, flags: int) -> None:
+        if libc.mount(None if source is None else source.encode(), target.encode(), None, flags, None) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, os.strerror(errno), target)
+
+    for top in tops:
+        source, target = f"{shared}/{top}", f"{folder}/{top}"
+        try:
+            mode = os.lstat(source).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            os.symlink(os.readlink(source), target)
+            continue
+        if stat.S_ISDIR(mode):
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        mount(source, target, _MS_BIND)
+        mount(None, target, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    for path in sorted({os.path.normpath(path) for path in own}, key=len):  # a parent before its child
+        source = f"{shared}/{path[len(folder) + 1 :]}"
+        if path.startswith(folder + "/") and _is_folder(source):
+            mount(source, path, _MS_BIND)
+
+
+def _is_folder(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _bound_ipc(memory_mb: int) -> int:
@@ -102,12 +180,10 @@ def present_folders(folders: tuple[str, ...]) -> list[str]:
 
 
 def private_scratch(needed: list[str]) -> list[str]:
-    """The PRIVATE_SCRATCH folders present here (not links) that hold none of the `needed` paths."""
-    return [
-        folder
-        for folder in present_folders(PRIVATE_SCRATCH)
-        if not any(path == folder or path.startswith(folder + "/") for path in needed)
-    ]
+    """The PRIVATE_SCRATCH folders present here (not links) that are none of the `needed` paths (what
+    it needs inside one is bound back in: `private_mounts`)."""
+    needed = [os.path.normpath(path) for path in needed]
+    return [folder for folder in present_folders(PRIVATE_SCRATCH) if folder not in needed]
 
 
 def needed_paths(command: list[str], cwd: str | None, env: Mapping[str, str] | None = None) -> list[str]:
@@ -120,6 +196,19 @@ def needed_paths(command: list[str], cwd: str | None, env: Mapping[str, str] | N
     jobs += env.get("PATH", "").split(":")
     jobs = [v for v in jobs if v.startswith("/")]
     return [v for v in command if v.startswith("/")] + jobs + [os.path.realpath(v) for v in jobs]
+
+
+def own_paths(folders: list[str], cwd: str | None, env: Mapping[str, str] | None = None) -> list[str]:
+    """The folders the command writes: `folders` (its workspace, HOME, TMPDIR, evaluator folder, as the
+    job names them), `cwd`, HOME and TMPDIR (from `env`, by default this process's), each as given and
+    resolved."""
+    env = os.environ if env is None else env
+    own = [
+        path
+        for path in [*folders, cwd or "", env.get("HOME", ""), env.get("TMPDIR", "")]
+        if path.startswith("/")
+    ]
+    return own + [os.path.realpath(path) for path in own]
 
 
 def become(uid: int, gid: int) -> None:
@@ -151,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-mb", type=int, default=0, help="bound on its SysV shared memory (0: none)")
     parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--fsize-mb", type=int, default=0)
+    parser.add_argument("--own", action="append", default=[], help="a folder of its own, kept writable")
     parser.add_argument("--report-fd", type=int, default=-1, help="write 'ok' here once the mounts are done")
     parser.add_argument("--probe", action="store_true", help="only try the private mounts; say what failed")
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -166,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--uid and --gid go together")
     if args.uid is not None:
         try:
-            why = private_mounts(args.scratch_mb, args.memory_mb, needed_paths(command, args.cwd))
+            own = own_paths(args.own, args.cwd)
+            why = private_mounts(args.scratch_mb, args.memory_mb, needed_paths(command, args.cwd) + own, own)
             if why:
                 print(f"gyre-ray: warning: private /proc, /tmp and IPC incomplete ({why}); the shared ones "
                       "are used from there on", file=sys.stderr, flush=True)  # fmt: skip

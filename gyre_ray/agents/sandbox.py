@@ -242,7 +242,12 @@ def harness_env(
 
 
 def limited_command(
-    command: list[str], limits: Limits, identity: Identity, cwd: Path, report_fd: int | None = None
+    command: list[str],
+    limits: Limits,
+    identity: Identity,
+    cwd: Path,
+    report_fd: int | None = None,
+    own: tuple[Path, ...] = (),
 ) -> list[str]:
     """`command` behind the rlimit wrapper, run in `cwd`; with a uid of its own the wrapper starts as
     root (isolated: `python -I -S` on the script itself), gives it a private /proc, /tmp and IPC (the
@@ -253,6 +258,8 @@ def limited_command(
         wrapper += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
         wrapper += ["--scratch-mb", str(limits.max_disk_mb), "--memory-mb", str(limits.max_memory_mb)]
         wrapper += ["--report-fd", str(report_fd)] if report_fd is not None else []
+        for folder in own:  # writable in its private scratch where they lie in a shared folder
+            wrapper += ["--own", str(folder)]
     wrapper += ["--nproc", str(limits.max_processes if identity.dedicated else 0)]
     wrapper += ["--fsize-mb", str(limits.max_file_mb), "--"]
     return wrapper + list(command)

@@ -3,8 +3,8 @@ folders (/tmp, /var/tmp, /dev/shm, /run/lock, ...: `scratch_roots`) and SysV IPC
 while it runs (`scratch_usage`, `detached_shm_mb`: its disk and memory limits count them) and removed
 when it ends (`remove_scratch`, `remove_ipc`), so the next execution that draws the same uid finds
 none of it. With the private mounts of `gyre_ray.agents.limits` an execution writes to a tmpfs and
-IPC namespace of its own instead, and there is nothing here to find; this covers a run folder under
-/tmp (which keeps the shared /tmp) and hosts that refuse the mounts.
+IPC namespace of its own instead, and there is nothing here to find; this covers a scratch folder
+that is itself a path the command needs (kept shared) and hosts that refuse the mounts.
 """
 
 from __future__ import annotations

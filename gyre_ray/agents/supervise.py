@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre_ray.agents.limits import needed_paths, private_scratch
+from gyre_ray.agents.limits import needed_paths, own_paths, private_scratch
 from gyre_ray.agents.sandbox import (
     Identity,
     Limits,
@@ -164,7 +164,10 @@ def supervise(
     grant_runtime(identity, command)
     shared: tuple[str, ...] = ()
     if identity.dedicated:  # those the wrapper gives a private tmpfs (bounded by its size) need no walk
-        private = private_scratch(needed_paths(command, str(cwd), env)) if private_mounts_work() else []
+        needed = needed_paths(command, str(cwd), env) + own_paths(
+            [str(folder) for folder in watch], str(cwd), env
+        )
+        private = private_scratch(needed) if private_mounts_work() else []
         shared = tuple(root for root in scratch_roots() if root not in private)
         identity.shared_scratch.update(shared)  # what `reclaim` sweeps
     disk = _DiskWatch(
@@ -175,7 +178,9 @@ def supervise(
     with os.fdopen(log_fd, "ab") as log:
         try:
             proc = subprocess.Popen(
-                limited_command(command, limits, identity, cwd, report_w if report_w >= 0 else None),
+                limited_command(
+                    command, limits, identity, cwd, report_w if report_w >= 0 else None, own=tuple(watch)
+                ),
                 cwd="/",  # (it becomes the uid, then enters cwd)
                 env=env,
                 stdin=subprocess.DEVNULL,
