@@ -1,5 +1,6 @@
 """Exec wrapper that puts rlimits on a harness, then becomes it: `python -I -S .../gyre_ray/agents/limits.py
-[--uid U --gid G --scratch-mb S --memory-mb R] --cwd DIR --nproc N --fsize-mb M -- COMMAND...`
+[--uid U --gid G --scratch-mb S --memory-mb R [--own DIR ...] [--report-fd N]] --cwd DIR --nproc N
+--fsize-mb M -- COMMAND...`
 (run as a script, standard library only: no site-packages, no .pth file, is processed while it is root).
 
 With `--uid` (an execution with a uid of its own; the wrapper starts as root) it first gives the
@@ -7,9 +8,9 @@ command a mount and IPC namespace of its own (`private_mounts`): a fresh procfs 
 `hidepid=invisible`, so the processes of other uids (other executions', whose command lines hold
 their prompts and their tools' commands, and the job's) are not there to read; its own SysV IPC,
 bounded by its memory limit; and one private tmpfs of `--scratch-mb` MiB serving /tmp, /var/tmp,
-/dev/shm, /run/lock and the like (each that holds nothing the command needs: a run folder under
-/tmp keeps the shared /tmp), so what it writes there is its own, bounded in all, and gone with its
-last process.
+/dev/shm, /run/lock and the like (what the command needs inside one, e.g. a run folder under /tmp,
+bound back in: read-only but for its own folders, `--own`, cwd, HOME and TMPDIR), so what it writes
+there is its own, bounded in all, and gone with its last process.
 Then it drops to the uid and gid (no supplementary groups), and only then enters DIR (the workspace,
 which an evaluator's run finds as the agent left it: root never works in it). It runs isolated
 (`-I -S`: neither the environment's PYTHON* variables, the working folder nor site-packages reach
