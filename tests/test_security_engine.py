@@ -15,21 +15,26 @@ from gyre_ray.agents.runner import run_execution
 
 SCAN_AND_ABORT = r"""
 import urllib.request
-hits = []
+from concurrent.futures import ThreadPoolExecutor
+ports = []
 for line in open("/proc/net/tcp").read().splitlines()[1:]:
     f = line.split()
-    if f[3] != "0A" or not f[1].startswith("0100007F:"):  # LISTEN on 127.0.0.1
-        continue
-    port = int(f[1].split(":")[1], 16)
+    if f[3] == "0A" and f[1].startswith("0100007F:"):  # LISTEN on 127.0.0.1
+        ports.append(int(f[1].split(":")[1], 16))
+
+def attack(port):  # all at once: a busy machine has many listeners, some of which never answer HTTP
     try:
-        info = urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=2).read()
+        info = urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info", timeout=3).read()
     except Exception:
-        continue
+        return None
     if b"weight_version" in info:  # an SGLang server: abort every request of every execution
         req = urllib.request.Request(f"http://127.0.0.1:{port}/abort_request", data=b'{"abort_all": true}',
                                      headers={"Content-Type": "application/json"})
-        hits.append((port, urllib.request.urlopen(req, timeout=5).status))
-print("HITS", hits)
+        return (port, urllib.request.urlopen(req, timeout=5).status)
+
+with ThreadPoolExecutor(32) as pool:
+    hits = [hit for hit in pool.map(attack, ports) if hit]
+print("SCANNED", len(ports), "HITS", hits)
 """
 
 

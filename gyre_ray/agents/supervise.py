@@ -147,32 +147,34 @@ def open_log(path: Path) -> int:
     return fd
 
 
-def supervise(
+def _shared_scratch(
+    command: list[str], identity: Identity, cwd: Path, env: dict[str, str], watch: list[Path]
+) -> tuple[str, ...]:
+    """The scratch roots the command will share with the machine (the wrapper gives the others a private
+    tmpfs, bounded by its size, that needs no walk), added to what `reclaim` sweeps; () without a uid of
+    its own."""
+    if not identity.dedicated:
+        return ()
+    needed = needed_paths(command, str(cwd), env) + own_paths(
+        [str(folder) for folder in watch], str(cwd), env
+    )
+    private = private_scratch(needed) if private_mounts_work() else []
+    shared = tuple(root for root in scratch_roots() if root not in private)
+    identity.shared_scratch.update(shared)
+    return shared
+
+
+def _start(
     command: list[str],
-    *,
+    limits: Limits,
     identity: Identity,
     cwd: Path,
     env: dict[str, str],
     log_path: Path,
-    timeout_s: float,
-    limits: Limits,
     watch: list[Path],
-) -> Finished:
-    """Run `command` until it exits, `timeout_s` passes or a limit is passed; its tree ends with it."""
-    start = time.monotonic()
-    timed_out, limit = False, ""
-    grant_runtime(identity, command)
-    shared: tuple[str, ...] = ()
-    if identity.dedicated:  # those the wrapper gives a private tmpfs (bounded by its size) need no walk
-        needed = needed_paths(command, str(cwd), env) + own_paths(
-            [str(folder) for folder in watch], str(cwd), env
-        )
-        private = private_scratch(needed) if private_mounts_work() else []
-        shared = tuple(root for root in scratch_roots() if root not in private)
-        identity.shared_scratch.update(shared)  # what `reclaim` sweeps
-    disk = _DiskWatch(
-        watch, limits.max_disk_mb, identity, limits.max_memory_mb, shared
-    )  # before it can write
+) -> tuple[subprocess.Popen, bool]:
+    """`command` started behind the limits wrapper in a session of its own, its output to `log_path`;
+    and whether the wrapper reported its private mounts in place (with a uid of its own)."""
     log_fd = open_log(log_path)
     report, report_w = os.pipe() if identity.dedicated else (-1, -1)
     with os.fdopen(log_fd, "ab") as log:
@@ -196,7 +198,30 @@ def supervise(
         finally:
             if report_w >= 0:
                 os.close(report_w)
-    if report >= 0 and _read_report(report, timeout_s=30.0) != "ok":  # its mounts failed: all shared
+    return proc, report >= 0 and _read_report(report, timeout_s=30.0) == "ok"
+
+
+def supervise(
+    command: list[str],
+    *,
+    identity: Identity,
+    cwd: Path,
+    env: dict[str, str],
+    log_path: Path,
+    timeout_s: float,
+    limits: Limits,
+    watch: list[Path],
+) -> Finished:
+    """Run `command` until it exits, `timeout_s` passes or a limit is passed; its tree ends with it."""
+    start = time.monotonic()
+    timed_out, limit = False, ""
+    grant_runtime(identity, command)
+    shared = _shared_scratch(command, identity, cwd, env, watch)
+    disk = _DiskWatch(
+        watch, limits.max_disk_mb, identity, limits.max_memory_mb, shared
+    )  # before it can write
+    proc, mounted = _start(command, limits, identity, cwd, env, log_path, watch)
+    if identity.dedicated and not mounted:  # its private mounts failed: every scratch folder was shared
         identity.shared_scratch.update(scratch_roots())
     disk.start()
     try:
