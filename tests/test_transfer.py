@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -343,6 +344,23 @@ def test_failed_transfer_names_cell_and_version_and_keeps_old_weights() -> None:
     assert held_version == 1 and _same(got, state)
 
 
+def _wait_stopped(pid: int, within_s: float = 10.0) -> None:
+    """Until every thread of `pid` is stopped: a stop takes effect as each thread is next scheduled,
+    which on a loaded machine (late in a full CI run) can come after the read it should block."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        if all(state in "tT" for state in states):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} did not stop within {within_s:g} s")
+
+
 @needs_mooncake
 def test_a_mooncake_read_from_a_stuck_sender_times_out_naming_cell_and_version() -> None:
     sender = Peer.options(num_cpus=0).remote("mooncake", "cell-8")
@@ -353,6 +371,7 @@ def test_a_mooncake_read_from_a_stuck_sender_times_out_naming_cell_and_version()
     pid = ray.get(sender.__ray_call__.remote(lambda self: os.getpid()))
     os.kill(pid, signal.SIGSTOP)  # alive but silent: its reads hang
     try:
+        _wait_stopped(pid)
         with pytest.raises(ray.exceptions.RayTaskError) as info:
             ray.get(cell.receive_weights.remote(ticket), timeout=60)
     finally:
