@@ -237,11 +237,12 @@ def _swept_roots(monkeypatch) -> list[tuple[str, ...]]:
     import gyre_ray.agents.sandbox as sandbox_module
 
     swept, real = [], sandbox_module.remove_scratch
-    monkeypatch.setattr(
-        sandbox_module,
-        "remove_scratch",
-        lambda uid, roots=None, gid=None: (swept.append(roots), real(uid, roots, gid)),
-    )
+
+    def recording(uid: int, roots: tuple[str, ...] | None = None, gid: int | None = None) -> None:
+        swept.append(roots)
+        real(uid, roots, gid)
+
+    monkeypatch.setattr(sandbox_module, "remove_scratch", recording)
     return swept
 
 

@@ -43,12 +43,12 @@ _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x
 _MS_RDONLY, _MS_REMOUNT, _MNT_DETACH = 0x1, 0x20, 0x2
 _PR_SET_NO_NEW_PRIVS = 38
 # the shared folders any user may write, each backed by the execution's private tmpfs (where present,
-# not links, and holding nothing it needs)
+# not links, and not itself a path it needs; what it needs inside one is bound back in)
 PRIVATE_SCRATCH = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock", "/var/crash", "/run/shm")
 DEFAULT_SCRATCH_MB = 1024  # the private tmpfs's size when no disk limit is set
 
 
-def private_mounts(scratch_mb: int, memory_mb: int, needed: list[str], own: list[str] | None = None) -> str:
+def private_mounts(scratch_mb: int, memory_mb: int, needed: list[str], own: list[str] = ()) -> str:
     """Give this process (and what it starts) a mount and an IPC namespace of its own: /proc mounted
     hidepid=invisible (other uids' processes are not there); SysV shared memory bounded by `memory_mb`;
     and one tmpfs of `scratch_mb` MiB (nosuid, nodev, inodes bounded) at the first PRIVATE_SCRATCH
@@ -79,7 +79,7 @@ def private_mounts(scratch_mb: int, memory_mb: int, needed: list[str], own: list
             steps.append((f"binding {folder}", lambda f=folder: _bind_into(libc, base, f)))
     for folder, tops in through.items():
         steps.append((f"binding what it needs back into {folder}",
-                      lambda f=folder, t=tops: _bind_through(libc, f, shared_fds[f], t, own or [])))  # fmt: skip
+                      lambda f=folder, t=tops: _bind_through(libc, f, shared_fds[f], t, own)))  # fmt: skip
     for step, call in steps:
         if call() != 0:
             return f"{step}: {os.strerror(ctypes.get_errno())}"
@@ -187,16 +187,16 @@ def private_scratch(needed: list[str]) -> list[str]:
     return [folder for folder in present_folders(PRIVATE_SCRATCH) if folder not in needed]
 
 
-def needed_paths(command: list[str], cwd: str | None, env: Mapping[str, str] | None = None) -> list[str]:
+def needed_paths(
+    command: list[str], cwd: str | None, env: Mapping[str, str] | None = None, folders: list[str] = ()
+) -> list[str]:
     """Absolute paths the command will reach: its arguments' as given (they may name the agent's files:
-    never resolved here, as root), and, resolved too in case a link leads into a scratch folder, `cwd`,
-    its HOME and TMPDIR, the folders of its PATH (from `env`, by default this process's) and this
+    never resolved here, as root), and, resolved too in case a link leads into a scratch folder, its
+    own folders (`own_paths`), the folders of its PATH (from `env`, by default this process's) and this
     interpreter (all the job's). `supervise` asks the same to know which scratch folders go private."""
     env = os.environ if env is None else env
-    jobs = [cwd or "", env.get("HOME", ""), env.get("TMPDIR", ""), sys.executable]
-    jobs += env.get("PATH", "").split(":")
-    jobs = [v for v in jobs if v.startswith("/")]
-    return [v for v in command if v.startswith("/")] + jobs + [os.path.realpath(v) for v in jobs]
+    jobs = _with_resolved([sys.executable, *env.get("PATH", "").split(":")])
+    return [v for v in command if v.startswith("/")] + own_paths(folders, cwd, env) + jobs
 
 
 def own_paths(folders: list[str], cwd: str | None, env: Mapping[str, str] | None = None) -> list[str]:
@@ -204,12 +204,13 @@ def own_paths(folders: list[str], cwd: str | None, env: Mapping[str, str] | None
     job names them), `cwd`, HOME and TMPDIR (from `env`, by default this process's), each as given and
     resolved."""
     env = os.environ if env is None else env
-    own = [
-        path
-        for path in [*folders, cwd or "", env.get("HOME", ""), env.get("TMPDIR", "")]
-        if path.startswith("/")
-    ]
-    return own + [os.path.realpath(path) for path in own]
+    return _with_resolved([*folders, cwd or "", env.get("HOME", ""), env.get("TMPDIR", "")])
+
+
+def _with_resolved(paths: list[str]) -> list[str]:
+    """The absolute ones of `paths`, then each of them resolved."""
+    absolute = [path for path in paths if path.startswith("/")]
+    return absolute + [os.path.realpath(path) for path in absolute]
 
 
 def become(uid: int, gid: int) -> None:
@@ -257,8 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--uid and --gid go together")
     if args.uid is not None:
         try:
-            own = own_paths(args.own, args.cwd)
-            why = private_mounts(args.scratch_mb, args.memory_mb, needed_paths(command, args.cwd) + own, own)
+            needed = needed_paths(command, args.cwd, folders=args.own)
+            why = private_mounts(args.scratch_mb, args.memory_mb, needed, own_paths(args.own, args.cwd))
             if why:
                 print(f"gyre-ray: warning: private /proc, /tmp and IPC incomplete ({why}); the shared ones "
                       "are used from there on", file=sys.stderr, flush=True)  # fmt: skip

@@ -72,12 +72,12 @@ def scratch_usage(
     uid: int, gid: int | None, roots: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()
 ) -> tuple[float, float]:
     """MiB allocated to what `uid` owns in shared scratch (`roots`, by default `scratch_roots()`; a
-    folder it owns there counted whole; nothing in or at the folders `skip`, e.g. its own workspace
-    under a shared /tmp, counted on its own), and how much of that is memory (tmpfs, e.g. /dev/shm)."""
+    folder it owns there counted whole; nothing in or at the folders `skip`, resolved paths, e.g. its
+    own workspace under a shared /tmp, counted on its own), and how much of that is memory (tmpfs,
+    e.g. /dev/shm)."""
     ram_devs = _scan()[1]
     total = ram = 0
     seen: set[tuple[int, int]] = set()  # a file linked twice counts once
-    skip = tuple(os.path.realpath(path) for path in skip)
     for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid, skip):
         statuses = [st]
         if stat.S_ISDIR(st.st_mode):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gyre_ray.agents.limits import needed_paths, own_paths, private_scratch
+from gyre_ray.agents.limits import needed_paths, private_scratch
 from gyre_ray.agents.sandbox import (
     Identity,
     Limits,
@@ -100,7 +100,7 @@ class _DiskWatch:
         self.parts = [_Usage(lambda: (disk_mb(folders), 0.0))] if limit_mb else []
         if identity.dedicated and (limit_mb or memory_mb):
             uid, gid = identity.uid, identity.gid
-            own = tuple(str(folder) for folder in folders)  # under a shared /tmp: counted once, above
+            own = tuple(os.path.realpath(folder) for folder in folders)  # under a shared /tmp: counted once
             self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,), skip=own)) for root in shared]
             if memory_mb:  # (what it gives counts toward the memory limit only)
                 self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
@@ -155,9 +155,7 @@ def _shared_scratch(
     its own."""
     if not identity.dedicated:
         return ()
-    needed = needed_paths(command, str(cwd), env) + own_paths(
-        [str(folder) for folder in watch], str(cwd), env
-    )
+    needed = needed_paths(command, str(cwd), env, folders=[str(folder) for folder in watch])
     private = private_scratch(needed) if private_mounts_work() else []
     shared = tuple(root for root in scratch_roots() if root not in private)
     identity.shared_scratch.update(shared)
@@ -176,29 +174,27 @@ def _start(
     """`command` started behind the limits wrapper in a session of its own, its output to `log_path`;
     and whether the wrapper reported its private mounts in place (with a uid of its own)."""
     log_fd = open_log(log_path)
-    report, report_w = os.pipe() if identity.dedicated else (-1, -1)
+    report, report_w = os.pipe() if identity.dedicated else (None, None)
     with os.fdopen(log_fd, "ab") as log:
         try:
             proc = subprocess.Popen(
-                limited_command(
-                    command, limits, identity, cwd, report_w if report_w >= 0 else None, own=tuple(watch)
-                ),
+                limited_command(command, limits, identity, cwd, report_w, own=tuple(watch)),
                 cwd="/",  # (it becomes the uid, then enters cwd)
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                pass_fds=(report_w,) if report_w >= 0 else (),
+                pass_fds=() if report_w is None else (report_w,),
             )
         except BaseException:
-            if report >= 0:
+            if report is not None:
                 os.close(report)
             raise
         finally:
-            if report_w >= 0:
+            if report_w is not None:
                 os.close(report_w)
-    return proc, report >= 0 and _read_report(report, timeout_s=30.0) == "ok"
+    return proc, report is not None and _read_report(report, timeout_s=30.0) == "ok"
 
 
 def supervise(
