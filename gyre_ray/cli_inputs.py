@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from gyre_ray.proxy.store_files import json_object
+from gyre_ray.run_folder import is_run_folder
 
 
 def warn_on_stderr(line: str) -> None:
@@ -43,21 +43,13 @@ def refuse_model_path_clash(given: str, overrides: list[str], config_file: str |
         raise ConfigError(f"{given} names the model; drop {clash} (give one of them, not both)")
 
 
-RUN_FOLDER_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json")
-
-
 def run_folder_hint(folder: Path, offer_run: bool = True) -> str | None:
     """When `folder` is a run folder given for an HF model folder (its config.json is the run's
     config): a message starting with the folder, saying what to give instead (`offer_run`: the
     command takes `--run` too); else None."""
     from gyre_ray.checkpoint import CHECKPOINTS, TRAINER_DIR, latest, trainer_dir
 
-    config = json_object(folder / "config.json", {}) if folder.is_dir() else None
-    if config is None or "vocab_size" in config or "model_type" in config:  # none, or an HF model's
-        return None
-    run_files = (folder / CHECKPOINTS).is_dir() or any((folder / n).is_file() for n in RUN_FOLDER_FILES)
-    run_config = isinstance(config.get("run"), dict) and isinstance(config.get("model"), dict)
-    if not run_files and not run_config:
+    if not is_run_folder(folder):
         return None
     newest = latest(folder)
     if newest is None:

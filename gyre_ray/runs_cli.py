@@ -39,6 +39,7 @@ from gyre_ray.json_values import is_int, is_number, short
 from gyre_ray.live_run import LIVE_FILE, driver_state
 from gyre_ray.observability.metrics import trend_window
 from gyre_ray.proxy.store_files import json_lines, json_object
+from gyre_ray.run_folder import is_run_folder
 from gyre_ray.train import FAILED_FILE, NOTHING_SCORED
 
 FIRST_LAST = 3  # steps averaged at each end of the reward
@@ -62,7 +63,7 @@ def _runs_command(args: argparse.Namespace) -> int:
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder (give the folder that holds run folders: run.run_dir)")
     runs = list_runs(root)
-    if not runs and _looks_like_a_run(root):
+    if not runs and is_run_folder(root):
         parent = root.resolve().parent
         raise ConfigError(
             f"{root} looks like a run folder (it holds config.json); give the folder that holds run "
@@ -114,7 +115,6 @@ def _blank_run(folder: Path) -> dict[str, Any]:
     }
 
 
-RUN_FILES = ("metrics.jsonl", "trace.jsonl", "summary.json", FAILED_FILE, LIVE_FILE)
 _TORN = object()  # a file that is not JSON (empty, cut off, not text)
 
 
@@ -124,16 +124,6 @@ def _json_file(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return _TORN
-
-
-def _looks_like_a_run(folder: Path) -> bool:
-    """A run folder (config.json beside what the job writes, or a run's config.json) given for ROOT."""
-    if not (folder / "config.json").is_file():
-        return False
-    if (folder / "checkpoints").is_dir() or any((folder / name).is_file() for name in RUN_FILES):
-        return True
-    config = _json_file(folder / "config.json")
-    return isinstance(config, dict) and isinstance(config.get("run"), dict)
 
 
 def _steps_configured(folder: Path, notes: list[str] | None = None) -> int | None:

@@ -86,3 +86,14 @@ def test_agents_config_checks_task_files_and_harness_names(tmp_path: Path) -> No
 def test_an_execution_without_records_is_left_out_of_training() -> None:
     batches, stats = training_batches_with_stats({"quiet": []}, {"quiet": 0.0}, {"quiet": "g"})
     assert batches == [] and stats == []
+
+
+def test_the_disk_watch_counts_a_file_linked_many_times_once(tmp_path: Path) -> None:
+    from gyre_ray.agents.sandbox import disk_mb
+
+    (tmp_path / "big").write_bytes(b"x" * (4 << 20))
+    for n in range(10):  # links cost no space: an agent must not be cut off at its disk limit for them
+        (tmp_path / f"link-{n}").hardlink_to(tmp_path / "big")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "own").write_bytes(b"y" * (1 << 20))
+    assert 5.0 <= disk_mb([tmp_path]) < 5.5

@@ -193,6 +193,9 @@ def test_bad_micro_batches_are_refused_naming_the_field() -> None:
         t.forward_backward(MicroBatch(good.input_ids, good.position_ids, good.parent_index + 1))
     with pytest.raises(TrainerInputError, match="position_ids shape"):
         t.forward_backward(MicroBatch(good.input_ids, good.position_ids[:, :3], good.parent_index))
+    with pytest.raises(TrainerInputError, match="attention_mask must be bool"):  # (B, T, T), not (B, T)
+        mask = torch.ones_like(good.input_ids, dtype=torch.bool)
+        t.forward_backward(MicroBatch(good.input_ids, good.position_ids, good.parent_index, mask))
 
 
 def test_engine_logprobs_equal_the_trainers_recomputed_logprobs() -> None:

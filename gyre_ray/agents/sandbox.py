@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre_ray.agents import limits as limits_module
-from gyre_ray.agents.scratch import remove_ipc, remove_scratch
+from gyre_ray.agents.scratch import allocated, remove_ipc, remove_scratch, tree_entries
 
 USER_PREFIX = "gyre-exec-"
 GROUP = "gyre-exec"  # the pool users' shared primary group: may traverse what they need to reach
@@ -322,16 +322,9 @@ def resident_mb(pids: list[int]) -> float:
 
 
 def disk_mb(folders: list[Path]) -> float:
-    """Allocated size of everything under `folders` in MiB."""
-    total = 0
-    for folder in folders:
-        for dirpath, dirnames, filenames in os.walk(folder):
-            for name in dirnames + filenames:
-                try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-                except OSError:
-                    continue
-    return total / (1 << 20)
+    """Allocated size of everything under `folders` in MiB (a file linked twice counted once)."""
+    seen: set[tuple[int, int]] = set()
+    return sum(allocated(st, seen) for folder in folders for st in tree_entries(folder)) / (1 << 20)
 
 
 def kill_all(identity: Identity, session: int | None, wait_s: float = 10.0) -> bool:

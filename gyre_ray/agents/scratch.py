@@ -13,6 +13,7 @@ import ctypes
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from gyre_ray.agents.limits import PRIVATE_SCRATCH, present_folders
@@ -68,6 +69,25 @@ def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None, skip: tupl
                 continue
 
 
+def tree_entries(folder: str | Path) -> Iterator[os.stat_result]:
+    """The status of every entry below `folder` (links not followed; what vanishes meanwhile is skipped)."""
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in dirnames + filenames:
+            try:
+                yield os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+
+
+def allocated(status: os.stat_result, seen: set[tuple[int, int]]) -> int:
+    """Bytes allocated to an entry; 0 for a further link to a file in `seen` (which it joins)."""
+    if status.st_nlink > 1 and not stat.S_ISDIR(status.st_mode):
+        if (status.st_dev, status.st_ino) in seen:
+            return 0
+        seen.add((status.st_dev, status.st_ino))
+    return status.st_blocks * 512
+
+
 def scratch_usage(
     uid: int, gid: int | None, roots: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()
 ) -> tuple[float, float]:
@@ -79,20 +99,9 @@ def scratch_usage(
     total = ram = 0
     seen: set[tuple[int, int]] = set()  # a file linked twice counts once
     for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid, skip):
-        statuses = [st]
-        if stat.S_ISDIR(st.st_mode):
-            for dirpath, dirnames, filenames in os.walk(entry.path):
-                for name in dirnames + filenames:
-                    try:
-                        statuses.append(os.lstat(os.path.join(dirpath, name)))
-                    except OSError:
-                        continue
-        for one in statuses:
-            if one.st_nlink > 1 and not stat.S_ISDIR(one.st_mode):
-                if (one.st_dev, one.st_ino) in seen:
-                    continue
-                seen.add((one.st_dev, one.st_ino))
-            size = one.st_blocks * 512
+        below = tree_entries(entry.path) if stat.S_ISDIR(st.st_mode) else ()
+        for one in (st, *below):
+            size = allocated(one, seen)
             total += size
             if one.st_dev in ram_devs:
                 ram += size

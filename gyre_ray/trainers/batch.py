@@ -52,6 +52,29 @@ class MicroBatch:
         )
 
 
+def batch_problem(batch: MicroBatch, vocab_size: int) -> str | None:
+    """What makes `batch` unfit for a model of `vocab_size` tokens (the message names the field), or
+    None: every trainer checks this before it runs a micro-batch."""
+    ids = batch.input_ids
+    if ids.dim() != 2:
+        return f"input_ids must be (batch, tokens), got shape {tuple(ids.shape)}"
+    for name in ("position_ids", "parent_index"):
+        if tuple(getattr(batch, name).shape) != tuple(ids.shape):
+            return f"{name} shape {tuple(getattr(batch, name).shape)} != input_ids {tuple(ids.shape)}"
+    mask = batch.attention_mask
+    if isinstance(mask, TreeLayout):
+        if (mask.batch, mask.width) != tuple(ids.shape):
+            return f"tree layout of {mask.batch} rows x {mask.width} columns != input_ids {tuple(ids.shape)}"
+    elif mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (*ids.shape, ids.size(1))):
+        return f"attention_mask must be bool (batch, tokens, tokens), got {mask.dtype} {tuple(mask.shape)}"
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        return f"input_ids hold ids outside the vocabulary [0, {vocab_size})"
+    columns = torch.arange(ids.size(1), device=batch.parent_index.device)
+    if bool((batch.parent_index >= columns).any()):
+        return "parent_index[b, j] must be < j (a token is predicted from an earlier column)"
+    return None
+
+
 def dense_attention_mask(batch: MicroBatch) -> torch.Tensor:
     """(B, T, T) bool: True where a column may attend to a column (causal rows when the batch has none)."""
     mask = batch.attention_mask

@@ -22,7 +22,7 @@ import torch
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import load_state_into, read_hf_weights, save_hf
 from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
-from gyre_ray.trainers.batch import MicroBatch, model_logprobs
+from gyre_ray.trainers.batch import MicroBatch, batch_problem, model_logprobs
 from gyre_ray.trainers.config import TrainerSection
 
 STATE_FILE = "trainer_state.pt"
@@ -66,7 +66,8 @@ class TorchTrainer(Trainer):
 
     # ------------------------------------------------------------------ compute
     def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        _check_batch(batch, self.args.vocab_size)
+        if problem := batch_problem(batch, self.args.vocab_size):
+            raise TrainerInputError(problem)
         return model_logprobs(self.model, batch.to(self.device))
 
     def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
@@ -152,24 +153,6 @@ class TorchTrainer(Trainer):
         self.step = int(state["step"])
         _set_rng_state(state["rng"])
         self.zero_grads()
-
-
-def _check_batch(batch: MicroBatch, vocab_size: int) -> None:
-    ids = batch.input_ids
-    if ids.dim() != 2:
-        raise TrainerInputError(f"input_ids must be (batch, tokens), got shape {tuple(ids.shape)}")
-    for name in ("position_ids", "parent_index"):
-        if tuple(getattr(batch, name).shape) != tuple(ids.shape):
-            raise TrainerInputError(
-                f"{name} shape {tuple(getattr(batch, name).shape)} != input_ids {tuple(ids.shape)}"
-            )
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise TrainerInputError(f"input_ids hold ids outside the vocabulary [0, {vocab_size})")
-    columns = torch.arange(ids.size(1), device=batch.parent_index.device)
-    if bool((batch.parent_index >= columns).any()):
-        raise TrainerInputError(
-            "parent_index[b, j] must be < j (a token is predicted from an earlier column)"
-        )
 
 
 def _rng_state() -> dict[str, Any]:

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.run_folder import job_files
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     traj = subparsers.add_parser("traj", help="inspect recorded trajectories (call trees)")
@@ -114,15 +116,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-# what a run folder (or an eval output folder) holds beside records/: none of them is call records
-RUN_FILES = ("config.json", "metrics.jsonl", "trace.jsonl", "summary.json", "eval.jsonl")
-
-
-def run_folder_files(folder: Path) -> list[str]:
-    """The run files `folder` holds (empty: not a run folder)."""
-    return [name for name in RUN_FILES if (folder / name).is_file()]
-
-
 def _show(args: argparse.Namespace) -> int:
     from gyre_ray.trajectory.config import TrajectorySection
     from gyre_ray.trajectory.pipeline import TOKEN_FIGURES, process_execution
@@ -136,7 +129,7 @@ def _show(args: argparse.Namespace) -> int:
         tie_break=args.tie_break or defaults.tie_break,
     )
     given = Path(args.records)  # a records file, or a folder of them
-    if given.is_dir() and (run_files := run_folder_files(given)):  # a run folder, not its records/
+    if given.is_dir() and (run_files := job_files(given)):  # a run folder, not its records/
         if not (given / "records").is_dir():
             return _fail(
                 f"{given} is a run folder ({', '.join(run_files)}) with no records/ folder: give the "

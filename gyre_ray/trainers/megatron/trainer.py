@@ -44,9 +44,8 @@ from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
 from gyre_ray.model.qwen3 import plan_mask
 from gyre_ray.model.tree_attention import plan_tree
-from gyre_ray.model.tree_layout import TreeLayout
 from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
-from gyre_ray.trainers.batch import MicroBatch, dense_attention_mask, token_logprobs
+from gyre_ray.trainers.batch import MicroBatch, batch_problem, dense_attention_mask, token_logprobs
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
 from gyre_ray.trainers.megatron.context_parallel import SharePlan, share_logprobs, share_of
@@ -119,7 +118,8 @@ class MegatronTrainer(Trainer):
 
     # ------------------------------------------------------------------ compute
     def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        _check_batch(batch, self.args.vocab_size)
+        if problem := batch_problem(batch, self.args.vocab_size):
+            raise MegatronInputError(problem)
         batch = batch.to(self.device)
         if self.cp_size > 1:
             return self._share_logprobs(batch)
@@ -357,30 +357,3 @@ class MegatronTrainer(Trainer):
             "tensor_parallel_size": self.tp_size,
             "context_parallel_size": self.cp_size,
         }
-
-
-def _check_batch(batch: MicroBatch, vocab_size: int) -> None:
-    ids = batch.input_ids
-    if ids.dim() != 2:
-        raise MegatronInputError(f"input_ids must be (batch, tokens), got shape {tuple(ids.shape)}")
-    for name in ("position_ids", "parent_index"):
-        if tuple(getattr(batch, name).shape) != tuple(ids.shape):
-            raise MegatronInputError(
-                f"{name} shape {tuple(getattr(batch, name).shape)} != input_ids {tuple(ids.shape)}"
-            )
-    mask = batch.attention_mask
-    if isinstance(mask, TreeLayout):
-        if (mask.batch, mask.width) != tuple(ids.shape):
-            raise MegatronInputError(
-                f"tree layout of {mask.batch} rows x {mask.width} columns != input_ids {tuple(ids.shape)}"
-            )
-    elif mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (*ids.shape, ids.size(1))):
-        raise MegatronInputError(
-            f"attention_mask must be bool (batch, tokens, tokens), got {mask.dtype} {tuple(mask.shape)}"
-        )
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise MegatronInputError(f"input_ids hold ids outside the vocabulary [0, {vocab_size})")
-    if bool((batch.parent_index >= torch.arange(ids.size(1))).any()):
-        raise MegatronInputError(
-            "parent_index[b, j] must be < j (a token is predicted from an earlier column)"
-        )

@@ -1,0 +1,52 @@
+"""What a run folder is: the files the job writes at its top, and the one test that every command
+uses to recognise a run folder given where it wants something else (an HF model folder, the folder
+that holds runs, a folder of call records), so that they all agree and can say what to give instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIG_FILE = "config.json"
+CHECKPOINTS_DIR = "checkpoints"
+# what the job writes at a run folder's top, beside config.json (`gyre-ray eval --out` writes eval.jsonl)
+JOB_FILES = (
+    "metrics.jsonl",
+    "trace.jsonl",
+    "costs.json",
+    "summary.json",
+    "eval.jsonl",
+    "failed.json",
+    "live-run.json",
+)
+# keys of an HF model's config.json, which a run's never has
+_HF_CONFIG_KEYS = ("vocab_size", "model_type")
+
+
+def job_files(folder: Path) -> list[str]:
+    """The files of the job that `folder` holds at its top, config.json first (empty: none)."""
+    return [name for name in (CONFIG_FILE, *JOB_FILES) if (folder / name).is_file()]
+
+
+def is_run_folder(folder: Path) -> bool:
+    """True when `folder` is a run folder: a config.json that is no HF model's, beside a checkpoints/
+    folder or a file only the job writes, or (a run that logged nothing yet) one with a `run` section.
+    A config.json that does not read (cut off) counts when the job's files are there."""
+    if not (folder / CONFIG_FILE).is_file():
+        return False
+    config = _json_object(folder / CONFIG_FILE)
+    if config is not None and any(key in config for key in _HF_CONFIG_KEYS):
+        return False
+    if (folder / CHECKPOINTS_DIR).is_dir() or any((folder / name).is_file() for name in JOB_FILES):
+        return True
+    return config is not None and isinstance(config.get("run"), dict)
+
+
+def _json_object(path: Path) -> dict | None:
+    """The JSON object a file holds; None when it does not read as one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
