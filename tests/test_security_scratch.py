@@ -274,19 +274,25 @@ from pathlib import Path
 from security_cases import NOWHERE, py, task
 import gyre_ray.agents.supervise as supervise_module
 from gyre_ray.agents.runner import run_execution
+from gyre_ray.agents.sandbox import Limits
 supervise_module.private_mounts_work = lambda: True  # the probe passed; this execution's mounts fail
 leave = "open('/dev/shm/gyre-left-unswept', 'w').write('x')"
+fill = "open('/dev/shm/gyre-late-fill', 'wb').write(b'x' * (40 << 20)); import time; time.sleep(5)"
 base = Path(tempfile.mkdtemp(prefix="gyre-exec-test-", dir="/var/lib"))
 out = run_execution("late", task(), NOWHERE, base / "ws", command=py(leave), timeout_s=60)
+filled = run_execution("fill", task(), NOWHERE, base / "ws2", command=py(fill), timeout_s=60,
+                       limits=Limits(max_disk_mb=24))
 shutil.rmtree(base, ignore_errors=True)
 print("EXIT", out.exit_code, "WARNED", "private /proc, /tmp and IPC incomplete" in out.log_tail)
+print("FILLED", filled.reason)
 """
 
 
 @needs_root
 def test_an_execution_whose_private_mounts_failed_has_its_scratch_swept() -> None:
     """The wrapper reports whether its mounts are in place; where they failed (after the job's probe
-    passed) the folders taken as private were shared, and what the execution left there is swept."""
+    passed) the folders taken as private were shared: what the execution left there is swept, and what
+    it writes there counts toward its disk limit (40 MiB in the shared /dev/shm passed 24 MiB unseen)."""
     done = subprocess.run(
         ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable, "-c", MOUNTS_FAIL_LATE],
         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=120, check=False,
@@ -294,9 +300,11 @@ def test_an_execution_whose_private_mounts_failed_has_its_scratch_swept() -> Non
     left = Path("/dev/shm/gyre-left-unswept")
     try:
         assert "EXIT 0 WARNED True" in done.stdout, done.stdout + done.stderr[-2000:]
-        assert not left.exists()
+        assert "FILLED killed at its disk limit (24 MiB)" in done.stdout, done.stdout
+        assert not left.exists() and not Path("/dev/shm/gyre-late-fill").exists()
     finally:
         left.unlink(missing_ok=True)
+        Path("/dev/shm/gyre-late-fill").unlink(missing_ok=True)
 
 
 UNDER_TMP = r"""

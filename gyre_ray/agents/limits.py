@@ -18,8 +18,10 @@ its imports). A host
 that refuses the namespace or a mount (no CAP_SYS_ADMIN) gets one warning line in the execution's
 log and the shared folders (whose leftovers `sandbox.reclaim` removes: `gyre_ray.agents.scratch`);
 the job learns it beforehand (`--probe`, once per process) and watches those folders instead. With
-`--report-fd N` it writes "ok" on N once every mount is in place (the job then need not sweep the
-folders its tmpfs served) and closes N before the command starts.
+`--report-fd N` (a socket) it writes "ok" on N once every mount is in place (the job then need not
+sweep the folders its tmpfs served), or "shared" where one failed and then waits for the job's go
+(the job first measures what the uid holds in the folders now shared, so that all it writes there
+counts), and closes N before the command starts.
 
 Then, as the uid, `RLIMIT_NPROC` (which counts processes per uid) bounds a fork bomb to N processes;
 `RLIMIT_FSIZE` ends a write past M MiB (one file, the log included); no core dumps; files it creates
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=0)
     parser.add_argument("--fsize-mb", type=int, default=0)
     parser.add_argument("--own", action="append", default=[], help="a folder of its own, kept writable")
-    parser.add_argument("--report-fd", type=int, default=-1, help="write 'ok' here once the mounts are done")
+    parser.add_argument("--report-fd", type=int, default=-1, help="say 'ok' or 'shared' here (a socket)")
     parser.add_argument("--probe", action="store_true", help="only try the private mounts; say what failed")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -263,8 +265,11 @@ def main(argv: list[str] | None = None) -> None:
             if why:
                 print(f"gyre-ray: warning: private /proc, /tmp and IPC incomplete ({why}); the shared ones "
                       "are used from there on", file=sys.stderr, flush=True)  # fmt: skip
+                if args.report_fd >= 0:  # the job measures them before the command can write there
+                    os.write(args.report_fd, b"shared\n")
+                    os.read(args.report_fd, 1)  # its go (or its end)
             elif args.report_fd >= 0:  # the job then need not sweep the folders its tmpfs served
-                os.write(args.report_fd, b"ok")
+                os.write(args.report_fd, b"ok\n")
             become(args.uid, args.gid)
         except Exception as exc:  # as root: one line, never a traceback, and the command never starts
             print(f"gyre-ray: cannot start {command[0]!r}: sandbox setup failed ({exc!r})", file=sys.stderr)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
+import socket
 import stat
 import subprocess
 import threading
@@ -98,12 +98,19 @@ class _DiskWatch:
     ) -> None:
         self.limit_mb, self.ram_mb = limit_mb, 0.0
         self.parts = [_Usage(lambda: (disk_mb(folders), 0.0))] if limit_mb else []
-        if identity.dedicated and (limit_mb or memory_mb):
-            uid, gid = identity.uid, identity.gid
-            own = tuple(os.path.realpath(folder) for folder in folders)  # under a shared /tmp: counted once
-            self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,), skip=own)) for root in shared]
-            if memory_mb:  # (what it gives counts toward the memory limit only)
-                self.parts.append(_Usage(lambda: (0.0, detached_shm_mb(uid))))
+        self.identity = identity if identity.dedicated and (limit_mb or memory_mb) else None
+        self.own = tuple(os.path.realpath(folder) for folder in folders)  # under a shared /tmp: counted once
+        self.watch_shared(shared)
+        if self.identity is not None and memory_mb:  # (what it gives counts toward the memory limit only)
+            self.parts.append(_Usage(lambda uid=identity.uid: (0.0, detached_shm_mb(uid))))
+
+    def watch_shared(self, roots: tuple[str, ...]) -> None:
+        """Also measure what the uid owns under these shared scratch roots (before `start`; nothing
+        without a uid of its own)."""
+        if self.identity is None:
+            return
+        uid, gid, own = self.identity.uid, self.identity.gid, self.own
+        self.parts += [_Usage(lambda r=root: scratch_usage(uid, gid, (r,), skip=own)) for root in roots]
 
     def start(self) -> None:
         for part in self.parts:
@@ -121,19 +128,15 @@ class _DiskWatch:
         return f"disk limit ({self.limit_mb} MiB)" if self.limit_mb and used > self.limit_mb else ""
 
 
-def _read_report(fd: int, timeout_s: float) -> str:
-    """What the limits wrapper wrote on `fd` ('ok': its private mounts are in place) before closing it
-    (it does before the command starts), read to the end within `timeout_s`; `fd` is closed."""
-    deadline, chunks = time.monotonic() + timeout_s, []
-    try:
-        while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
-            chunk = os.read(fd, 64)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks).decode(errors="replace")
+def _read_report(report: socket.socket, timeout_s: float) -> str:
+    """The line the limits wrapper says before the command starts ('ok': its private mounts are in
+    place; 'shared': one failed, and it waits for a go), or '' when it ends or `timeout_s` passes first."""
+    report.settimeout(timeout_s)
+    said = b""
+    with contextlib.suppress(OSError):  # (a timeout, or a wrapper that failed and closed it)
+        while not said.endswith(b"\n") and (chunk := report.recv(64)):
+            said += chunk
+    return said.decode(errors="replace").strip()
 
 
 def open_log(path: Path) -> int:
@@ -151,15 +154,12 @@ def _shared_scratch(
     command: list[str], identity: Identity, cwd: Path, env: dict[str, str], watch: list[Path]
 ) -> tuple[str, ...]:
     """The scratch roots the command will share with the machine (the wrapper gives the others a private
-    tmpfs, bounded by its size, that needs no walk), added to what `reclaim` sweeps; () without a uid of
-    its own."""
+    tmpfs, bounded by its size, that needs no walk); () without a uid of its own."""
     if not identity.dedicated:
         return ()
     needed = needed_paths(command, str(cwd), env, folders=[str(folder) for folder in watch])
     private = private_scratch(needed) if private_mounts_work() else []
-    shared = tuple(root for root in scratch_roots() if root not in private)
-    identity.shared_scratch.update(shared)
-    return shared
+    return tuple(root for root in scratch_roots() if root not in private)
 
 
 def _start(
@@ -170,31 +170,46 @@ def _start(
     env: dict[str, str],
     log_path: Path,
     watch: list[Path],
-) -> tuple[subprocess.Popen, bool]:
-    """`command` started behind the limits wrapper in a session of its own, its output to `log_path`;
-    and whether the wrapper reported its private mounts in place (with a uid of its own)."""
+    when_shared: Callable[[], None],
+) -> subprocess.Popen:
+    """`command` started behind the limits wrapper in a session of its own, its output to `log_path`.
+    With a uid of its own, where the wrapper does not report its private mounts in place,
+    `when_shared` runs before the wrapper goes on to start the command."""
     log_fd = open_log(log_path)
-    report, report_w = os.pipe() if identity.dedicated else (None, None)
+    report, report_w = socket.socketpair() if identity.dedicated else (None, None)
     with os.fdopen(log_fd, "ab") as log:
         try:
             proc = subprocess.Popen(
-                limited_command(command, limits, identity, cwd, report_w, own=tuple(watch)),
+                limited_command(
+                    command,
+                    limits,
+                    identity,
+                    cwd,
+                    None if report_w is None else report_w.fileno(),
+                    own=tuple(watch),
+                ),
                 cwd="/",  # (it becomes the uid, then enters cwd)
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                pass_fds=() if report_w is None else (report_w,),
+                pass_fds=() if report_w is None else (report_w.fileno(),),
             )
         except BaseException:
             if report is not None:
-                os.close(report)
+                report.close()
             raise
         finally:
             if report_w is not None:
-                os.close(report_w)
-    return proc, report is not None and _read_report(report, timeout_s=30.0) == "ok"
+                report_w.close()
+    if report is not None:
+        with report:
+            if _read_report(report, timeout_s=30.0) != "ok":
+                when_shared()
+                with contextlib.suppress(OSError):
+                    report.sendall(b"g")
+    return proc
 
 
 def supervise(
@@ -213,12 +228,17 @@ def supervise(
     timed_out, limit = False, ""
     grant_runtime(identity, command)
     shared = _shared_scratch(command, identity, cwd, env, watch)
+    identity.shared_scratch.update(shared)  # what `reclaim` sweeps
     disk = _DiskWatch(
         watch, limits.max_disk_mb, identity, limits.max_memory_mb, shared
     )  # before it can write
-    proc, mounted = _start(command, limits, identity, cwd, env, log_path, watch)
-    if identity.dedicated and not mounted:  # its private mounts failed: every scratch folder was shared
-        identity.shared_scratch.update(scratch_roots())
+
+    def when_shared() -> None:  # its private mounts failed: every scratch folder is shared
+        late = tuple(root for root in scratch_roots() if root not in shared)
+        identity.shared_scratch.update(late)
+        disk.watch_shared(late)
+
+    proc = _start(command, limits, identity, cwd, env, log_path, watch, when_shared)
     disk.start()
     try:
         while proc.poll() is None:
