@@ -90,6 +90,7 @@ def attach(cfg: GyreConfig, run_dir: Path) -> LiveRun:
 
     from gyre_ray.proxy.launch import ProxyHandle
     from gyre_ray.runtime.cluster import SCHEDULER_NAME, STORE_NAME, Runtime, connect_ray
+    from gyre_ray.runtime.runners import runner_name
     from gyre_ray.runtime.workers import WORKERS_NAME
 
     info = read(run_dir)
@@ -127,6 +128,7 @@ def attach(cfg: GyreConfig, run_dir: Path) -> LiveRun:
     runtime = Runtime(
         cfg, namespace, pool, found[STORE_NAME], proxy, info["core_id"], scheduler=scheduler,
         workers=found[WORKERS_NAME], owns_ray=owns_ray, app_name=info["app_name"], detached=True,
+        runners=[a for i in range(cfg.agents.runners) if (a := _named(runner_name(i), namespace)) is not None],
     )  # fmt: skip
     proxy.owner = runtime
     _write(run_dir, info)  # this driver's pid from now on

@@ -126,6 +126,19 @@ def stream_failed(body: str) -> bool:
     return any(line.startswith("data: {") and "error" in json.loads(line[6:]) for line in body.splitlines())
 
 
+def wait_for_calls(rt: Any, run_ref: Any, calls: int, timeout_s: float = 300.0) -> None:
+    """Until the store holds `calls` records (the step still running)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert not ray.wait([run_ref], timeout=0)[0], "the step ended before the fault"
+        if ray.get(rt.store.stats.remote(), timeout=30)["records"] >= calls:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the executions made no calls")
+
+
 def check_nothing_lost(folder, result: dict, executions: int, calls: int) -> int:
     """Every execution ended valid with all its `calls` 200-answered calls recorded (a harness that
     got no 200 raises, which would fail the run); returns how many calls were re-prefilled."""

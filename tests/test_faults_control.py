@@ -21,6 +21,7 @@ from fault_workload import (
     reference_weights,
     relative_update_gap,
     ship_by_value,
+    wait_for_calls,
 )
 from local_ray import private_ray, toy_runtime
 
@@ -42,17 +43,6 @@ def runtime(tmp_path_factory):
         rt.folder = folder
         yield rt
         rt.shutdown()
-
-
-def wait_for_calls(rt: Runtime, run_ref, calls: int, timeout_s: float = 300.0) -> None:
-    """Until the store holds `calls` records (the step still running)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert not ray.wait([run_ref], timeout=0)[0], "the step ended before the fault"
-        if ray.get(rt.store.stats.remote(), timeout=30)["records"] >= calls:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the executions made no calls")
 
 
 def check_one_clock(rt: Runtime, result: dict, killed_at: float) -> None:

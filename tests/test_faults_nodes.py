@@ -14,6 +14,7 @@ import time
 import pytest
 import ray
 from fault_workload import CountingExecutor, check_nothing_lost, ship_by_value
+from local_ray import actor_nodes, local_cluster
 
 from gyre_ray.config import load_config
 from gyre_ray.runtime.cluster import Runtime
@@ -33,28 +34,14 @@ OVERRIDES = [
     "trajectory.row_tokens=64",
     "trajectory.micro_batch_tokens=64",
 ]
-NODE_ARGS = {"num_cpus": 1, "object_store_memory": 100 * 1024 * 1024}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
     ship_by_value()
-    nodes = Cluster(initialize_head=True, head_node_args={**NODE_ARGS, "include_dashboard": False})
-    workers = [nodes.add_node(**NODE_ARGS, resources={f"gyre_node_{x}": 1}) for x in "ab"]
-    ray.init(address=nodes.address, logging_level="WARNING")
-    yield nodes, workers
-    serve.shutdown()
-    ray.shutdown()
-    nodes.shutdown()
-
-
-def actor_nodes() -> dict[str, str]:
-    """Live named actors -> the node they run on (from the GCS actor table)."""
-    table = ray._private.state.actors()
-    return {a["Name"]: a["Address"]["NodeID"] for a in table.values() if a["Name"] and a["State"] == "ALIVE"}
+    nodes = [{"num_cpus": 1, "resources": {f"gyre_node_{x}": 1}} for x in "ab"]
+    with local_cluster({"num_cpus": 1}, nodes) as started:
+        yield started
 
 
 def wait_alive(names: tuple[str, ...], timeout_s: float = 120.0) -> dict[str, str]:

@@ -4,6 +4,7 @@ they start (the job's entry point and config, the Serve application) is what gyr
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shlex
 from pathlib import Path
@@ -86,11 +87,17 @@ def test_rayjob_entrypoint_runs_the_job_with_a_valid_config() -> None:
         for m in spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["volumeMounts"]
     }
     assert any(cfg.run.run_dir.startswith(m) for m in mounts), (cfg.run.run_dir, mounts)
-    workers = spec["rayClusterSpec"]["workerGroupSpecs"]
-    for group in workers:  # one cell per worker pod: the pod's GPUs are the cell's bundle
-        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert int(limits["nvidia.com/gpu"]) == cfg.cells.gpus_per_cell
-    assert sum(g["replicas"] for g in workers) == cfg.cells.num_cells
+    groups = {g["groupName"]: g for g in spec["rayClusterSpec"]["workerGroupSpecs"]}
+    cells = groups["cells"]  # one cell per worker pod: the pod's GPUs are the cell's bundle
+    limits = cells["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == cfg.cells.gpus_per_cell
+    assert cells["replicas"] == cfg.cells.num_cells
+    agents = groups["agents"]  # one runner actor per agent pod, placed by the pod's custom resource
+    assert agents["replicas"] == cfg.agents.runners
+    offered = json.loads(json.loads(agents["rayStartParams"]["resources"]))  # KubeRay's quoted JSON string
+    assert offered == cfg.agents.runner_resources
+    assert "nvidia.com/gpu" not in agents["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert cfg.proxy.host == "0.0.0.0"  # the agents' pods reach the head's proxy over the network
 
 
 def test_rayservice_serves_the_proxy_application() -> None:

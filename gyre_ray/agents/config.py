@@ -44,6 +44,19 @@ class AgentSection(Section):
         description="Time within which a failing evaluator is retried before the execution is dropped.",
     )
     max_parallel: int = Field(8, ge=1, description="Executions running at once.")
+    runners: int = Field(
+        0,
+        ge=0,
+        description="Actors that run the executions' harnesses: 0 runs them all in the run's `workers` actor "
+        "beside the scheduler (one machine); N starts N actors `runner-0` .. `runner-<N-1>`, spread over the "
+        "nodes that offer agents.runner_resources, each execution on the one running the fewest "
+        "(docs/cluster.md, 'Agents on nodes of their own').",
+    )
+    runner_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each runner actor takes, e.g. {agents: 1} to put one on each node started "
+        "with --resources '{\"agents\": 1}' (empty: any node).",
+    )
     isolation: Literal["auto", "user", "none"] = Field(
         "auto",
         description="user: each execution runs as an unprivileged uid of its own (needs root); none: as the "
@@ -81,6 +94,16 @@ class AgentSection(Section):
         "break its tool-call format with are never sampled).",
     )
 
+    @field_validator("runner_resources")
+    @classmethod
+    def _runner_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if not name.strip():
+                raise ValueError("a resource name is empty")
+            if not amount > 0:  # (NaN too)
+                raise ValueError(f"resource {name!r}: the amount must be > 0, got {amount}")
+        return value
+
     @field_validator("command")
     @classmethod
     def _command_template(cls, value: list[str] | None) -> list[str] | None:
@@ -101,6 +124,11 @@ class AgentSection(Section):
             raise ValueError(
                 f"agents.command is used only by agents.harness=command (harness is {self.harness!r}); "
                 "set agents.harness=command, or leave agents.command out (agents.command=null)"
+            )
+        if self.runner_resources and not self.runners:
+            raise ValueError(
+                "agents.runner_resources places the runner actors, but agents.runners is 0 (the executions "
+                "run in the `workers` actor): set agents.runners, or leave runner_resources out"
             )
         if self.harness in ("toy", "command") and self.harness_args:
             raise ValueError(

@@ -221,6 +221,7 @@ class Runtime:
     core_id: str
     scheduler: Any = None
     workers: Any = None
+    runners: list[Any] = field(default_factory=list)  # `agents.runners` actors (`gyre_ray.runtime.runners`)
     owns_ray: bool = False
     app_name: str = "gyre-proxy"
     detached: bool = False  # the actors outlive the driver (`gyre_ray.live_run`)
@@ -284,14 +285,17 @@ class Runtime:
             )  # fmt: skip
             proxy.owner = runtime
             if dual_role and scheduler:
-                runtime.scheduler = runtime._start_scheduler(scheduler_options or {})
+                runtime.scheduler = runtime._start_scheduler(scheduler_options or {}, timeout_s)
         except BaseException:
-            actors = [runtime.scheduler, runtime.workers] if runtime is not None else []
+            actors = [runtime.scheduler, runtime.workers, *runtime.runners] if runtime is not None else []
             _stop(pool, store, proxy, actors, owns_ray)
             raise
         return runtime
 
-    def _start_scheduler(self, options: dict[str, Any]) -> Any:
+    def _start_scheduler(self, options: dict[str, Any], timeout_s: float = 300.0) -> Any:
+        import ray
+
+        from gyre_ray.runtime.runners import runner_base_url, start_runners
         from gyre_ray.runtime.scheduler import SchedulerActor, pack_scheduler_options
         from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
 
@@ -300,6 +304,13 @@ class Runtime:
         self.workers = RunWorkers.options(
             name=WORKERS_NAME, namespace=self.namespace, resources=head, lifetime=lifetime
         ).remote()
+        runner_url = self.proxy.base_url
+        if self.config.agents.runners:
+            self.runners = start_runners(self.config.agents, self.namespace, lifetime, timeout_s)
+            proxy_ip, *runner_ips = ray.get(
+                [actor.node_ip.remote() for actor in (self.workers, *self.runners)], timeout=timeout_s
+            )  # (the proxy's replicas run beside `workers`, on the control node)
+            runner_url = runner_base_url(self.proxy.base_url, self.config.proxy.host, proxy_ip, runner_ips)
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
         restarts = self.config.run.max_scheduler_restarts  # a call in flight is retried on the new actor
@@ -315,8 +326,14 @@ class Runtime:
             cell_names,
             self.core_id,
             self.namespace,
-            {"base_url": self.proxy.base_url, "admin_token": self.proxy.admin_token},
-            options_blob=pack_scheduler_options({"workers": self.workers, "pool": self.pool, **options}),
+            {
+                "base_url": self.proxy.base_url,
+                "admin_token": self.proxy.admin_token,
+                "runner_url": runner_url,
+            },
+            options_blob=pack_scheduler_options(
+                {"workers": self.workers, "runners": self.runners, "pool": self.pool, **options}
+            ),
         )
 
     def restore(self, checkpoint: str | Path, timeout_s: float = 600.0) -> int:
@@ -336,11 +353,11 @@ class Runtime:
         return version
 
     def stop_actors(self) -> None:
-        """Stop the scheduler, `workers`, the cells and the store (the quick part of `shutdown`)."""
+        """Stop the scheduler, `workers`, the runners, the cells and the store (the quick part of `shutdown`)."""
         if self._actors_stopped:
             return
         self._actors_stopped = True
-        _stop(self.pool, self.store, None, [self.scheduler, self.workers], owns_ray=False)
+        _stop(self.pool, self.store, None, [self.scheduler, self.workers, *self.runners], owns_ray=False)
 
     def shutdown(self) -> None:
         """Stop the actors (`stop_actors`), then the proxy app; stop Ray if this runtime started it."""

@@ -49,6 +49,7 @@ class JournalState:
     # the recorder's clock: absent from journals written before launches and ends carried them
     launches: dict[int, dict[str, Any]] = field(default_factory=dict)
     ended_at: dict[int, float] = field(default_factory=dict)
+    runners: dict[int, int] = field(default_factory=dict)  # the runner actor of each (agents.runners > 0)
     clock_wall: float | None = None  # time.time() at the run clock's 0 (a restarted actor goes on with it)
 
     @property
@@ -126,6 +127,8 @@ class RunJournal:
                 state.launched[exec_id] = int(event["cell"])
                 if all(k in event for k in _LAUNCH_FACTS):
                     state.launches[exec_id] = {k: event[k] for k in _LAUNCH_FACTS}
+                if "runner" in event:
+                    state.runners[exec_id] = int(event["runner"])
             elif "ended" in event:
                 state.outcomes[int(event["ended"])] = event["outcome"]
                 if isinstance(event.get("at_s"), (int, float)):
@@ -152,12 +155,14 @@ class RunJournal:
         group: str | None = None,
         step: int | None = None,
         version: int | None = None,
+        runner: int | None = None,
     ) -> None:
-        """Execution `exec_id` handed to `workers` for `cell`; with its trace facts: launched at `at_s`
-        (the recorder's clock), `execution_id`, `group` (the trace's task), `step` and the policy
-        `version` it starts with."""
+        """Execution `exec_id` handed to `workers` (or to runner actor `runner`) for `cell`; with its
+        trace facts: launched at `at_s` (the recorder's clock), `execution_id`, `group` (the trace's
+        task), `step` and the policy `version` it starts with."""
         facts = zip(_LAUNCH_FACTS, (at_s, execution_id, group, step, version), strict=True)
-        self._write({"launched": exec_id, "cell": cell, **{k: v for k, v in facts if v is not None}})
+        where = {} if runner is None else {"runner": runner}
+        self._write({"launched": exec_id, "cell": cell, **{k: v for k, v in facts if v is not None}, **where})
 
     def ended(self, exec_id: int, outcome: dict[str, Any], at_s: float | None = None) -> None:
         """Execution `exec_id`'s outcome came back at `at_s` (the recorder's clock)."""

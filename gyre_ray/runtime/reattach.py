@@ -118,8 +118,10 @@ class SchedulerReattach:
                 self.recorder.ended(exec_id, state.ended_at.get(exec_id, start + outcome.duration_s), outcome)
                 counts["ended"] += 1
                 continue
-            ref = self.workers.outcome_of.remote(self.planned[exec_id].execution_id)
-            self.running[ref] = RunningExecution(exec_id, cell, start, version)
+            runner = state.runners.get(exec_id) if self.runners else None
+            where = self.workers if runner is None else self.runners[runner]
+            ref = where.outcome_of.remote(self.planned[exec_id].execution_id)
+            self.running[ref] = RunningExecution(exec_id, cell, start, version, runner)
             counts["running"] += 1
         return counts
 
@@ -127,7 +129,7 @@ class SchedulerReattach:
         """An execution journaled as launched that `workers` never started: start it now (a new key)."""
         item = self.planned[run.exec_id]
         key = ray.get(self.store.reissue_key.remote(item.execution_id), timeout=60)
-        ref = self._start_execution(item, key)
+        ref, run.runner = self._start_execution(item, key)
         self.running[ref] = run
         if self.scheduler_restarts:
             self.scheduler_restarts[-1]["executions_relaunched"] += 1

@@ -42,6 +42,7 @@ from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.recovery import CellRecovery
 from gyre_ray.runtime.run_keeper import RunKeeper, run_key
+from gyre_ray.runtime.runners import least_loaded
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.updates import UpdateStages
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
@@ -76,6 +77,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
         execute: Any = None,
         timeout_s: float = 7200.0,
         workers: Any = None,
+        runners: list[Any] | None = None,
         pool: Any = None,
     ) -> None:
         self.cfg_json = cfg_json
@@ -87,7 +89,8 @@ class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
         self.core = self.ids.index(core_id)
         self.store = ray.get_actor("store", namespace=namespace)
         self.workers = workers if workers is not None else ray.get_actor(WORKERS_NAME, namespace=namespace)
-        self.base_url = proxy["base_url"]
+        self.runners = list(runners or [])  # where executions run (none: `workers`)
+        self.base_url = proxy.get("runner_url", proxy["base_url"])  # what their harnesses call
         self.proxy = dict(proxy)
         self.run_dir = Path(run_dir or ".")
         self.execute = execute or run_planned_execution
@@ -323,24 +326,31 @@ class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
         now = self._now()
         for action, key in zip(launches, keys, strict=True):
             item = self.planned[action.exec_id]
-            ref = self._start_execution(item, key["api_key"])
-            self.running[ref] = RunningExecution(action.exec_id, action.cell_id, now, self.trainer_version)
+            ref, runner = self._start_execution(item, key["api_key"])
+            self.running[ref] = RunningExecution(
+                action.exec_id, action.cell_id, now, self.trainer_version, runner
+            )
             self.journal.launched(
                 action.exec_id, action.cell_id, at_s=now, execution_id=item.execution_id, group=item.group,
-                step=self.ledger.batch_of[action.exec_id], version=self.trainer_version,
+                step=self.ledger.batch_of[action.exec_id], version=self.trainer_version, runner=runner,
             )  # fmt: skip
             self.ledger.launch(action.exec_id, action.cell_id, now, self.trainer_version)
             self.recorder.launched(action.exec_id, now, self.trainer_version)
         self.recorder.loads(self, now)
 
-    def _start_execution(self, item: PlannedExecution, api_key: str) -> Any:
-        """Start one planned execution on the `workers` actor under `api_key`; returns its outcome's ref."""
+    def _start_execution(self, item: PlannedExecution, api_key: str) -> tuple[Any, int | None]:
+        """Start one planned execution under `api_key` on the runner running the fewest (`workers`
+        without runners); returns its outcome's ref and the runner's index (None: `workers`)."""
         cfg = self.cfg
-        return self.workers.execute.remote(
+        runner = None
+        if self.runners:
+            runner = least_loaded((r.runner for r in self.running.values()), len(self.runners))
+        ref = (self.workers if runner is None else self.runners[runner]).execute.remote(
             self.execute, item.execution_id, cfg.agents.task_set, item.task.task_id,
             Endpoint(self.base_url, api_key), str(self.run_dir / "workspaces" / item.execution_id),
             cfg.agents.model_dump(), run_seed=cfg.run.seed,
         )  # fmt: skip
+        return ref, runner
 
     def _switch_to_train(self, index: int) -> None:
         view = self.views[index]

@@ -12,12 +12,14 @@ from typing import Any
 
 @dataclass
 class RunningExecution:
-    """An execution's harness task: launched on `cell` (the ledger's placement) under `version`."""
+    """An execution's harness task: launched on `cell` (the ledger's placement) under `version`, run by
+    runner actor `runner` (`gyre_ray.runtime.runners`)."""
 
     exec_id: int
     cell: int
     since: float
     version: int
+    runner: int | None = None  # its runner actor (None: `workers`)
 
 
 @dataclass

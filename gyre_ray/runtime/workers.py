@@ -35,6 +35,10 @@ class RunWorkers:
         self._running: dict[str, threading.Event] = {}
         self._ended: OrderedDict[str, tuple[bool, Any]] = OrderedDict()  # id -> (raised, outcome or error)
 
+    def node_ip(self) -> str:
+        """The address of the node this actor runs on."""
+        return ray.util.get_node_ip_address()
+
     def execute(self, execute: Any, *args: Any, **kwargs: Any) -> Any:
         """One execution: `execute(*args, **kwargs)` (`run_planned_execution`'s signature; args[0] is its id)."""
         execution_id = str(args[0])

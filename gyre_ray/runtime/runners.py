@@ -1,0 +1,88 @@
+"""Where executions run: the run's `workers` actor beside the scheduler, or runner actors of their own.
+
+An agent execution spends hours in its tools (builds, test runs) on the CPUs of the machine its
+harness runs on. With `agents.runners = 0` every harness runs in `workers` on the control node; with
+N > 0 the runtime starts N `RunWorkers` actors named `runner-0` .. `runner-<N-1>` in the run's
+namespace, spread over the nodes that offer `agents.runner_resources` (say CPU-only pods started with
+`--resources '{"agents": 1}'`), and the scheduler puts each execution on the runner with the fewest
+running (`least_loaded`), journaling which, so a restarted scheduler asks that runner for its outcome.
+
+A runner on another node reaches the proxy over the network: `runner_base_url` gives it the proxy's
+node address where the proxy listens on every interface (`proxy.host=0.0.0.0`), and refuses a proxy
+bound to loopback, which such a runner cannot reach.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from gyre_ray.agents.config import AgentSection
+from gyre_ray.config import ConfigError
+
+RUNNER_PREFIX = "runner-"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_EVERY_INTERFACE = ("0.0.0.0", "::")
+
+
+def runner_name(index: int) -> str:
+    """The named actor of runner `index` (`runner-0`, ...)."""
+    return f"{RUNNER_PREFIX}{index}"
+
+
+def start_runners(section: AgentSection, namespace: str, lifetime: str | None, timeout_s: float) -> list[Any]:
+    """`section.runners` runner actors, spread over the nodes offering `section.runner_resources`,
+    each placed and answering within `timeout_s` (else a ConfigError naming what no node offers)."""
+    import ray
+
+    from gyre_ray.runtime.workers import RunWorkers
+
+    runners = [
+        RunWorkers.options(
+            name=runner_name(index),
+            namespace=namespace,
+            resources=dict(section.runner_resources) or None,
+            scheduling_strategy="SPREAD",
+            lifetime=lifetime,
+        ).remote()
+        for index in range(section.runners)
+    ]
+    ready, pending = ray.wait(
+        [r.node_ip.remote() for r in runners], num_returns=len(runners), timeout=timeout_s
+    )
+    if pending:
+        for runner in runners:
+            ray.kill(runner, no_restart=True)
+        wanted = section.runner_resources or {"CPU": 0}
+        raise ConfigError(
+            f"{len(pending)} of agents.runners={section.runners} runner actors could not be placed within "
+            f"{timeout_s:.0f} s: no node offered {wanted} for them (start the agent nodes with "
+            "`ray start --resources ...`, or lower agents.runners)"
+        )
+    return runners
+
+
+def least_loaded(running: Iterable[int], count: int) -> int:
+    """The runner (0 .. count - 1) with the fewest of `running` (each a running execution's runner)."""
+    load = Counter(running)
+    return min(range(count), key=lambda index: (load[index], index))
+
+
+def runner_base_url(base_url: str, proxy_host: str, proxy_ip: str, runner_ips: list[str]) -> str:
+    """The proxy's URL as the runners reach it: `base_url` where they share its node; else the proxy's
+    node address `proxy_ip` (it must then listen on every interface or on a routable address)."""
+    if all(ip == proxy_ip for ip in runner_ips):
+        return base_url
+    away = sorted({runner_name(i) for i, ip in enumerate(runner_ips) if ip != proxy_ip})
+    if proxy_host in _LOOPBACK:
+        raise ConfigError(
+            f"{', '.join(away)} run on other nodes than the proxy ({proxy_ip}), which listens on "
+            f"{proxy_host} only: set proxy.host=0.0.0.0 so that their executions can reach it"
+        )
+    if proxy_host not in _EVERY_INTERFACE:
+        return base_url  # a routable address of its own
+    parts = urlsplit(base_url)
+    netloc = f"[{proxy_ip}]" if ":" in proxy_ip else proxy_ip
+    return urlunsplit(parts._replace(netloc=f"{netloc}:{parts.port}"))

@@ -1,0 +1,66 @@
+"""Runner actors (`gyre_ray.runtime.runners`, `agents.runners`): which runner takes an execution, the
+proxy URL runners on other nodes call, the config's checks, and the journal that remembers each
+execution's runner for a restarted scheduler. The multi-node run is `test_runners_nodes.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+from gyre_ray.config import ConfigError, load_config
+from gyre_ray.runtime.journal import RunJournal
+from gyre_ray.runtime.runners import least_loaded, runner_base_url, runner_name
+
+
+def test_an_execution_goes_to_the_runner_running_the_fewest() -> None:
+    assert least_loaded([], 3) == 0
+    assert least_loaded([0, 0, 1], 3) == 2
+    assert least_loaded([0, 1, 2, 2, 0], 3) == 1
+    running: list[int] = []
+    for _ in range(7):  # one at a time, none ending: dealt out evenly
+        running.append(least_loaded(running, 3))
+    assert sorted(running) == [0, 0, 0, 1, 1, 2, 2]
+
+
+def test_runners_beside_the_proxy_call_its_own_url() -> None:
+    url = "http://127.0.0.1:8000"
+    assert runner_base_url(url, "127.0.0.1", "10.0.0.5", ["10.0.0.5", "10.0.0.5"]) == url
+
+
+def test_runners_elsewhere_call_the_proxys_node_address() -> None:
+    got = runner_base_url("http://127.0.0.1:8123", "0.0.0.0", "10.0.0.5", ["10.0.0.5", "10.0.0.7"])
+    assert got == "http://10.0.0.5:8123"
+    assert runner_base_url("http://127.0.0.1:8123", "::", "fd00::5", ["fd00::6"]) == "http://[fd00::5]:8123"
+    routable = "http://10.0.0.5:8123"  # the proxy bound to an address of its own: reachable as it is
+    assert runner_base_url(routable, "10.0.0.5", "10.0.0.5", ["10.0.0.7"]) == routable
+
+
+def test_a_proxy_on_loopback_refuses_runners_on_other_nodes() -> None:
+    with pytest.raises(
+        ConfigError, match=r"runner-1 run on other nodes than the proxy \(10.0.0.5\).*proxy.host=0.0.0.0"
+    ):
+        runner_base_url("http://127.0.0.1:8000", "127.0.0.1", "10.0.0.5", ["10.0.0.5", "10.0.0.7"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["agents.runners=-1"], "agents.runners: Input should be greater than or equal to 0"),
+        (["agents.runners=2", "agents.runner_resources={agents: 0}"], "the amount must be > 0, got 0.0"),
+        (["agents.runners=2", "agents.runner_resources={agents: .nan}"], "Input should be a finite number"),
+        (["agents.runner_resources={agents: 1}"], "agents.runners is 0"),
+    ],
+)
+def test_runner_settings_are_checked(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config("jobs/configs/toy.yaml", overrides)
+
+
+def test_the_journal_remembers_each_executions_runner(tmp_path) -> None:
+    header = {"steps": 1}
+    journal = RunJournal.begin(tmp_path, header, 0)
+    journal.launched(0, 1, at_s=0.5, execution_id="s0-a-0", group="s0-a", step=0, version=0, runner=1)
+    journal.launched(1, 0, at_s=0.6, execution_id="s0-a-1", group="s0-a", step=0, version=0)  # `workers`
+    state = RunJournal.replay(tmp_path, header)
+    assert state is not None and state.launched == {0: 1, 1: 0}
+    assert state.runners == {0: 1}
+    assert runner_name(1) == "runner-1"

@@ -1,0 +1,93 @@
+"""Executions on agent nodes of their own (`agents.runners`), on several Ray nodes of this machine.
+
+A head (the cells, the store, the scheduler, `workers` and the proxy) and two agent nodes that offer
+the custom resource `agents`; `agents.runners=2` with `agents.runner_resources={agents: 1}` puts one
+runner actor on each agent node, and the step's executions are dealt out over both: every execution
+runs on an agent node, none on the head, none lost; a scheduler actor killed mid-step collects each
+execution's outcome from its runner. Runners that no node can take are refused by name.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from fault_workload import (
+    CountingExecutor,
+    check_nothing_lost,
+    fault_overrides,
+    ship_by_value,
+    wait_for_calls,
+)
+from local_ray import actor_nodes, local_cluster
+
+from gyre_ray.config import ConfigError, load_config
+from gyre_ray.runtime.cluster import Runtime
+from gyre_ray.runtime.journal import RunJournal
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = [*fault_overrides(cells=2, capacity=2), "agents.runners=2", "agents.runner_resources={agents: 1}"]
+EXECUTOR = CountingExecutor(calls=4, max_tokens=12, tool_s=0.4)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ship_by_value()
+    with local_cluster({"num_cpus": 2}, [{"num_cpus": 1, "resources": {"agents": 1}}] * 2) as started:
+        yield started
+
+
+def test_runners_no_node_can_take_are_refused_by_name(cluster, tmp_path) -> None:
+    """(First: before the module's runtime holds the proxy's route.)"""
+    cfg = load_config(
+        "jobs/configs/toy.yaml",
+        [*OVERRIDES, "agents.runner_resources={gpu_agents: 1}", f"run.run_dir={tmp_path}"],
+    )
+    started = time.monotonic()
+    with pytest.raises(
+        ConfigError,
+        match=r"2 of agents.runners=2 runner actors could not be placed within 20 s: no node offered \{'gpu_agents': 1.0\}",
+    ):
+        Runtime.start(cfg, scheduler_options={"run_dir": str(tmp_path)}, timeout_s=20)
+    assert time.monotonic() - started < 300
+    assert not any(name.startswith("runner-") for name in actor_nodes())  # nothing left pending
+
+
+@pytest.fixture(scope="module")
+def runtime(cluster, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runners")
+    cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
+    rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": EXECUTOR}, timeout_s=600)
+    rt.folder = folder
+    yield rt
+    rt.shutdown()
+
+
+def test_executions_run_on_the_agent_nodes_dealt_out_over_the_runners(cluster, runtime) -> None:
+    nodes, agents = cluster
+    placed = actor_nodes()
+    assert {placed["runner-0"], placed["runner-1"]} == {a.node_id for a in agents}, (
+        placed
+    )  # one per agent node
+    assert placed["workers"] == nodes.head_node.node_id
+    run = runtime.scheduler.run.remote(1, scheduler={"policy": "elastic", "staleness": 0}, tag="a-")
+    result = ray.get(run, timeout=900)
+    check_nothing_lost(runtime.folder, result, executions=4, calls=EXECUTOR.calls)
+    journal = RunJournal.read(runtime.folder)
+    assert journal is not None and sorted(journal.runners.values()) == [0, 0, 1, 1], journal.runners
+
+
+def test_a_restarted_scheduler_collects_outcomes_from_each_executions_runner(runtime) -> None:
+    """The journal names each execution's runner: the new scheduler asks that one for the outcome (the
+    others never ran it and would answer None, which reads as never started: a second launch)."""
+    run_ref = runtime.scheduler.run.remote(1, scheduler={"policy": "colocate", "staleness": 0}, tag="b-")
+    before = ray.get(runtime.store.stats.remote(), timeout=30)["records"]
+    wait_for_calls(runtime, run_ref, calls=before + 4)
+    ray.kill(runtime.scheduler, no_restart=False)
+    result = ray.get(run_ref, timeout=900)
+    restarts = result["scheduler_restarts"]
+    assert len(restarts) == 1 and restarts[0]["executions_reattached"] >= 1, restarts
+    assert restarts[0]["executions_relaunched"] == 0, restarts
+    check_nothing_lost(runtime.folder, result, executions=4, calls=EXECUTOR.calls)
