@@ -197,7 +197,7 @@ def test_the_schedulers_journal_gives_the_rows_its_recorder_writes(
     sched.recorder, sched.views, sched.running, sched.outcomes = RunRecorder(["cell-0"]), [], {}, {}
     sched.journal = RunJournal.begin(tmp_path, {"steps": 2, "first_step": 0, "tag": ""}, 0)
     sched.store = SimpleNamespace(register=SimpleNamespace(remote=lambda *args: {"api_key": "k"}))
-    sched._start_execution = lambda item, key: item.execution_id  # the outcome's "ref"
+    sched._start_execution = lambda item, key: (item.execution_id, None)  # the outcome's "ref", no runner
     sched._process_if_ended = lambda group, now: None
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
     clock = iter([0.123456, 0.5, 2.3456789, 2.75, 3.14159])
