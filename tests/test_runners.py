@@ -8,7 +8,7 @@ import pytest
 
 from gyre_ray.config import ConfigError, load_config
 from gyre_ray.runtime.journal import RunJournal
-from gyre_ray.runtime.runners import least_loaded, runner_base_url, runner_name
+from gyre_ray.runtime.runners import least_loaded, relaunch_id, runner_base_url, runner_name
 
 
 def test_an_execution_goes_to_the_runner_running_the_fewest() -> None:
@@ -64,3 +64,20 @@ def test_the_journal_remembers_each_executions_runner(tmp_path) -> None:
     assert state is not None and state.launched == {0: 1, 1: 0}
     assert state.runners == {0: 1}
     assert runner_name(1) == "runner-1"
+
+
+def test_a_dead_runner_is_avoided_while_another_is_left() -> None:
+    assert least_loaded([0, 0, 2], 3, avoid={1}) == 2
+    assert least_loaded([], 2, avoid={0, 1}) == 0  # all dead: Ray may be restarting them
+
+
+def test_an_execution_started_again_gets_a_new_id() -> None:
+    assert relaunch_id("s0-vowels-3") == "r1.s0-vowels-3"
+    assert relaunch_id("r1.s0-vowels-3") == "r2.s0-vowels-3"
+    assert relaunch_id("elastic.s0-lt00-vowels-1") == "r1.elastic.s0-lt00-vowels-1"
+    from gyre_ray.envs.longtail import execution_seconds, schedule_for
+
+    schedule = schedule_for()  # the same duration: it is read from the id's last part
+    assert execution_seconds(schedule, "r1.s0-lt00-vowels-1") == execution_seconds(
+        schedule, "s0-lt00-vowels-1"
+    )

@@ -4,7 +4,8 @@ A head (the cells, the store, the scheduler, `workers` and the proxy) and two ag
 the custom resource `agents`; `agents.runners=2` with `agents.runner_resources={agents: 1}` puts one
 runner actor on each agent node, and the step's executions are dealt out over both: every execution
 runs on an agent node, none on the head, none lost; a scheduler actor killed mid-step collects each
-execution's outcome from its runner. Runners that no node can take are refused by name.
+execution's outcome from its runner; a runner killed mid-step has its executions started again on
+the other. Runners that no node can take are refused by name.
 """
 
 from __future__ import annotations
@@ -91,3 +92,23 @@ def test_a_restarted_scheduler_collects_outcomes_from_each_executions_runner(run
     assert len(restarts) == 1 and restarts[0]["executions_reattached"] >= 1, restarts
     assert restarts[0]["executions_relaunched"] == 0, restarts
     check_nothing_lost(runtime.folder, result, executions=4, calls=EXECUTOR.calls)
+
+
+def test_executions_of_a_runner_that_dies_start_again_on_another(runtime) -> None:
+    """runner-1's process is killed mid-step: its executions start again from the beginning on
+    runner-0 under new ids (`r1.<id>`); the step trains on every execution's full records, and the
+    lost harnesses' partial records stay in the store under their old ids."""
+    run_ref = runtime.scheduler.run.remote(1, scheduler={"policy": "colocate", "staleness": 0}, tag="c-")
+    before = ray.get(runtime.store.stats.remote(), timeout=30)["records"]
+    wait_for_calls(runtime, run_ref, calls=before + 2)  # every harness still mid-way
+    ray.kill(ray.get_actor("runner-1", namespace=runtime.namespace), no_restart=False)
+    result = ray.get(run_ref, timeout=900)
+    losses = result["runner_losses"]
+    print("runner losses", losses)
+    assert losses and all(loss["runner"] == 1 and loss["on_runner"] == 0 for loss in losses), losses
+    assert all(loss["relaunched_as"] == "r1." + loss["execution"] for loss in losses), losses
+    check_nothing_lost(runtime.folder, result, executions=4, calls=EXECUTOR.calls)
+    traced = {row["exec_id"] for row in result["trace"]}
+    assert {loss["relaunched_as"] for loss in losses} <= traced
+    assert not {loss["execution"] for loss in losses} & traced
+    assert len(result["steps"]) == 1 and result["steps"][0]["executions"] == 4

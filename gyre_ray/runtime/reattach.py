@@ -26,6 +26,7 @@ state from what outlived the old process:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -109,6 +110,9 @@ class SchedulerReattach:
             cell = cell if cell in live else live[0]
             facts = state.launches.get(exec_id, {})  # the launch's time and version (older journals: none)
             start, version = float(facts.get("at_s", 0.0)), int(facts.get("version", self.trainer_version))
+            if (current := facts.get("execution_id")) and current != self.planned[exec_id].execution_id:
+                # started again after its runner died (`RunnerRecovery`): the id of its last launch
+                self.planned[exec_id] = dataclasses.replace(self.planned[exec_id], execution_id=current)
             self.ledger.launch(exec_id, cell, start, version)
             self.recorder.launched(exec_id, start, version)
             if exec_id in state.outcomes:

@@ -7,6 +7,12 @@ namespace, spread over the nodes that offer `agents.runner_resources` (say CPU-o
 `--resources '{"agents": 1}'`), and the scheduler puts each execution on the runner with the fewest
 running (`least_loaded`), journaling which, so a restarted scheduler asks that runner for its outcome.
 
+A runner that dies (its node lost, its process killed; Ray starts it again, on another node if its
+node is gone) takes its executions' harnesses with it. `RunnerRecovery` (a part of `RunScheduler`)
+starts each of them again from the beginning on another runner, under a new id (`r1.<id>`, ...):
+the lost harness's records stay in the store under the old id, its key revoked, and are never
+trained on; the group's training waits for the new execution as for any other.
+
 A runner on another node reaches the proxy over the network: `runner_base_url` gives it the proxy's
 node address where the proxy listens on every interface (`proxy.host=0.0.0.0`), and refuses a proxy
 bound to loopback, which such a runner cannot reach.
@@ -14,6 +20,8 @@ bound to loopback, which such a runner cannot reach.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -46,6 +54,7 @@ def start_runners(section: AgentSection, namespace: str, lifetime: str | None, t
             resources=dict(section.runner_resources) or None,
             scheduling_strategy="SPREAD",
             lifetime=lifetime,
+            max_restarts=-1,  # a dead runner comes back (elsewhere, if its node is gone) for later executions
         ).remote()
         for index in range(section.runners)
     ]
@@ -64,10 +73,46 @@ def start_runners(section: AgentSection, namespace: str, lifetime: str | None, t
     return runners
 
 
-def least_loaded(running: Iterable[int], count: int) -> int:
-    """The runner (0 .. count - 1) with the fewest of `running` (each a running execution's runner)."""
-    load = Counter(running)
-    return min(range(count), key=lambda index: (load[index], index))
+def least_loaded(running: Iterable[int], count: int, avoid: Iterable[int] = ()) -> int:
+    """The runner (0 .. count - 1) with the fewest of `running` (each a running execution's runner),
+    among those not in `avoid` while any is left (runners that died: Ray may still be restarting them)."""
+    load, avoided = Counter(running), set(avoid)
+    choices = [index for index in range(count) if index not in avoided] or list(range(count))
+    return min(choices, key=lambda index: (load[index], index))
+
+
+def relaunch_id(execution_id: str) -> str:
+    """The id an execution started again gets: `r1.<id>`, then `r2.<id>`, ... A tag before a `.`, as
+    run tags are, so what is read from an id's end (its index; the longtail set's durations) stays."""
+    match = re.fullmatch(r"r(\d+)\.(.*)", execution_id)
+    return f"r{int(match.group(1)) + 1}.{match.group(2)}" if match else f"r1.{execution_id}"
+
+
+class RunnerRecovery:
+    """Executions of a runner that died, started again on another (a part of `RunScheduler`)."""
+
+    def _runner_lost(self, run: Any) -> None:
+        """Runner `run.runner` died with execution `run` in flight: start it again from the beginning
+        on another runner, under a new id and key (module docstring)."""
+        import ray
+
+        item = self.planned[run.exec_id]
+        lost_id, lost_runner = item.execution_id, run.runner
+        item = self.planned[run.exec_id] = dataclasses.replace(item, execution_id=relaunch_id(lost_id))
+        self.lost_runners.add(lost_runner)
+        self.store.finish_execution.remote(lost_id)  # its key revoked: a harness that lives on adds nothing
+        metadata = {"task_id": item.task.task_id, "relaunch_of": lost_id}
+        key = ray.get(self.store.register.remote(item.execution_id, metadata), timeout=60)["api_key"]
+        ref, run.runner = self._start_execution(item, key)
+        self.running[ref] = run
+        self.journal.launched(
+            run.exec_id, run.cell, at_s=run.since, execution_id=item.execution_id, group=item.group,
+            step=self.ledger.batch_of[run.exec_id], version=run.version, runner=run.runner,
+        )  # fmt: skip
+        self.runner_losses.append(
+            {"runner": lost_runner, "execution": lost_id, "relaunched_as": item.execution_id,
+             "on_runner": run.runner, "at_s": round(self._now(), 3)}
+        )  # fmt: skip
 
 
 def runner_base_url(base_url: str, proxy_host: str, proxy_ip: str, runner_ips: list[str]) -> str:

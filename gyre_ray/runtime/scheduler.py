@@ -42,7 +42,7 @@ from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.recovery import CellRecovery
 from gyre_ray.runtime.run_keeper import RunKeeper, run_key
-from gyre_ray.runtime.runners import least_loaded
+from gyre_ray.runtime.runners import RunnerRecovery, least_loaded
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.updates import UpdateStages
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
@@ -60,7 +60,7 @@ from gyre_ray.scheduling.runtime import (
 from gyre_ray.scheduling.state import Launch, Role, SwitchToRollout, SwitchToTrain
 
 
-class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
+class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages):
     """The run loop (plain class; `SchedulerActor` hosts it as a Ray actor).
 
     `pool`: the runtime's `CellPool`, with which a dead cell is restarted (None: the run goes on without it).
@@ -144,6 +144,8 @@ class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
         self.step_metrics = []
         self.done = False
         self.faults = []
+        self.runner_losses: list[dict[str, Any]] = []
+        self.lost_runners: set[int] = set()
         for i, view in enumerate(self.views):
             view.enter(CellPhase.TO_ROLLOUT if self._restarting(i) else CellPhase.ROLLOUT, 0.0)
             view.return_requested = False
@@ -230,6 +232,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
         self._settle()
         summary["faults"] = list(self.faults)
         summary["scheduler_restarts"] = list(self.scheduler_restarts)
+        summary["runner_losses"] = list(self.runner_losses)
         self.done = True
         return summary
 
@@ -344,7 +347,9 @@ class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
         cfg = self.cfg
         runner = None
         if self.runners:
-            runner = least_loaded((r.runner for r in self.running.values()), len(self.runners))
+            runner = least_loaded(
+                (r.runner for r in self.running.values()), len(self.runners), self.lost_runners
+            )
         ref = (self.workers if runner is None else self.runners[runner]).execute.remote(
             self.execute, item.execution_id, cfg.agents.task_set, item.task.task_id,
             Endpoint(self.base_url, api_key), str(self.run_dir / "workspaces" / item.execution_id),
@@ -436,7 +441,12 @@ class RunScheduler(CellRecovery, SchedulerReattach, UpdateStages):
             self._update_progress(ref)
 
     def _execution_ended(self, ref: Any, run: RunningExecution) -> None:
-        outcome = ray.get(ref)
+        try:
+            outcome = ray.get(ref)
+        except ray.exceptions.RayActorError:
+            if run.runner is None:  # `workers` itself died: the run stops (docs/faults.md)
+                raise
+            return self._runner_lost(run)
         if outcome is None:  # journaled by a scheduler that died before `workers` got it
             return self._relaunch(run)
         now = self._now()
