@@ -40,7 +40,8 @@ def drive(
     evaluator = None
     version = int(ray.get(runtime.core.trainer_version.remote(), timeout=60))
     if every:
-        evaluator = EvalRunner(cfg, runtime.store, runtime.workers, runtime.proxy.base_url, run_dir, execute)
+        executors, base_url = runtime.agent_executors()  # the runners, if any, as for training
+        evaluator = EvalRunner(cfg, runtime.store, executors, base_url, run_dir, execute)
         if logged is None and eval_due(first_step, every, cfg.run.steps):
             evaluator.start(first_step, version)
     call = scheduler.run if logged is None else scheduler.join

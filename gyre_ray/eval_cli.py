@@ -119,10 +119,9 @@ def evaluate(
     """One evaluation round of the policy in `model_dir` (after `step` updates); returns its row. Its
     executions' workspaces go under `out`, their call records to `cfg.proxy.records_dir` (the command
     sets `<out>/records` there unless told another folder)."""
-    import ray
-
     from gyre_ray.evaluation import EvalRunner
     from gyre_ray.runtime.cluster import Runtime
+    from gyre_ray.runtime.runners import start_runners
     from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
 
     out = Path(out).resolve()
@@ -132,10 +131,12 @@ def evaluate(
         update={"run": run, "model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())})}
     )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
-    workers = None
     try:
-        workers = RunWorkers.options(name=WORKERS_NAME, namespace=runtime.namespace).remote()
-        runner = EvalRunner(cfg, runtime.store, workers, runtime.proxy.base_url, out, execute)
+        runtime.workers = RunWorkers.options(name=WORKERS_NAME, namespace=runtime.namespace).remote()
+        if cfg.agents.runners:  # the round's executions on the agents' nodes, as in training
+            runtime.runners = start_runners(cfg.agents, runtime.namespace, None, timeout_s=300.0)
+        executors, base_url = runtime.agent_executors()
+        runner = EvalRunner(cfg, runtime.store, executors, base_url, out, execute)
         runner.start(step, step)
         rows = runner.finish(
             step, timeout_s=cfg.agents.timeout_s * cfg.run.eval_samples * len(runner.tasks) + 600
@@ -143,7 +144,5 @@ def evaluate(
         if not rows:
             raise TimeoutError("the evaluation round did not end in time")
     finally:
-        if workers is not None:
-            ray.kill(workers, no_restart=True)
-        runtime.shutdown()
+        runtime.shutdown()  # (its workers and runners too)
     return rows[0]

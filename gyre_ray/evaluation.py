@@ -139,13 +139,14 @@ class _Round:
 
 
 class EvalRunner:
-    """Launches evaluation rounds as executions of the run's `workers` actor and collects their rows."""
+    """Launches evaluation rounds as executions of the run's `workers` actor, or dealt out over its
+    runner actors (`agents.runners`: `Runtime.agent_executors`), and collects their rows."""
 
     def __init__(
         self,
         cfg: GyreConfig,
         store: Any,
-        workers: Any,
+        workers: Any | list[Any],
         base_url: str,
         run_dir: str | Path,
         execute: Any = None,
@@ -158,7 +159,8 @@ class EvalRunner:
         if not self.tasks:
             raise ValueError("no held-out tasks to evaluate (run.eval_every is 0)")
         self.task_set = eval_task_set_name(cfg)
-        self.store, self.workers, self.base_url = store, workers, base_url
+        self.store, self.base_url = store, base_url
+        self.executors = list(workers) if isinstance(workers, list) else [workers]
         self.run_dir = Path(run_dir)
         self.execute = execute or run_planned_execution
         self.tag = tag
@@ -180,7 +182,7 @@ class EvalRunner:
         )
         agents = self.cfg.agents.model_dump()
         refs = [
-            self.workers.execute.remote(
+            self.executors[index % len(self.executors)].execute.remote(
                 self.execute,
                 item.execution_id,
                 self.task_set,
@@ -190,7 +192,7 @@ class EvalRunner:
                 agents,
                 run_seed=self.cfg.run.seed,
             )  # fmt: skip
-            for item, key in zip(items, keys, strict=True)
+            for index, (item, key) in enumerate(zip(items, keys, strict=True))
         ]
         self.rounds.append(_Round(step, version, items, refs))
         return True

@@ -112,3 +112,17 @@ def test_executions_of_a_runner_that_dies_start_again_on_another(runtime) -> Non
     assert {loss["relaunched_as"] for loss in losses} <= traced
     assert not {loss["execution"] for loss in losses} & traced
     assert len(result["steps"]) == 1 and result["steps"][0]["executions"] == 4
+
+
+def test_an_evaluation_round_runs_on_the_runners(runtime) -> None:
+    """`run.eval_every` and `gyre-ray eval` deal a round's executions out over the runners too."""
+    from gyre_ray.evaluation import EvalRunner
+
+    cfg = runtime.config.model_copy(update={"run": runtime.config.run.model_copy(update={"eval_every": 1})})
+    executors, base_url = runtime.agent_executors()
+    assert executors == runtime.runners and len(executors) == 2
+    evaluator = EvalRunner(cfg, runtime.store, executors, base_url, runtime.folder / "eval", EXECUTOR)
+    assert evaluator.start(0, 0)
+    (row,) = evaluator.finish(0, timeout_s=600)
+    assert row["executions"] == len(evaluator.tasks) * cfg.run.eval_samples >= 2
+    assert row["valid"] == row["executions"], row

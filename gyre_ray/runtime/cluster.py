@@ -293,9 +293,7 @@ class Runtime:
         return runtime
 
     def _start_scheduler(self, options: dict[str, Any], timeout_s: float = 300.0) -> Any:
-        import ray
-
-        from gyre_ray.runtime.runners import runner_base_url, start_runners
+        from gyre_ray.runtime.runners import start_runners
         from gyre_ray.runtime.scheduler import SchedulerActor, pack_scheduler_options
         from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
 
@@ -304,13 +302,9 @@ class Runtime:
         self.workers = RunWorkers.options(
             name=WORKERS_NAME, namespace=self.namespace, resources=head, lifetime=lifetime
         ).remote()
-        runner_url = self.proxy.base_url
         if self.config.agents.runners:
             self.runners = start_runners(self.config.agents, self.namespace, lifetime, timeout_s)
-            proxy_ip, *runner_ips = ray.get(
-                [actor.node_ip.remote() for actor in (self.workers, *self.runners)], timeout=timeout_s
-            )  # (the proxy's replicas run beside `workers`, on the control node)
-            runner_url = runner_base_url(self.proxy.base_url, self.config.proxy.host, proxy_ip, runner_ips)
+        runner_url = self.agent_executors(timeout_s)[1]
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
         restarts = self.config.run.max_scheduler_restarts  # a call in flight is retried on the new actor
@@ -335,6 +329,21 @@ class Runtime:
                 {"workers": self.workers, "runners": self.runners, "pool": self.pool, **options}
             ),
         )
+
+    def agent_executors(self, timeout_s: float = 120.0) -> tuple[list[Any], str]:
+        """Where executions run, and the proxy URL their harnesses call there: the runner actors
+        (`agents.runners`, `gyre_ray.runtime.runners`) or `workers`."""
+        import ray
+
+        from gyre_ray.runtime.runners import runner_base_url
+
+        if not self.runners:
+            return [self.workers], self.proxy.base_url
+        proxy_ip, *runner_ips = ray.get(
+            [actor.node_ip.remote() for actor in (self.workers, *self.runners)], timeout=timeout_s
+        )  # (the proxy's replicas run beside `workers`, on the control node)
+        url = runner_base_url(self.proxy.base_url, self.config.proxy.host, proxy_ip, runner_ips)
+        return list(self.runners), url
 
     def restore(self, checkpoint: str | Path, timeout_s: float = 600.0) -> int:
         """Load a run checkpoint (`gyre_ray.checkpoint`) into the core (weights, optimizer, step, version,
