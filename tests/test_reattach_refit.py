@@ -34,6 +34,7 @@ def restarted_scheduler(duration_prior: object, published: int) -> RunScheduler:
     sched.views = [SimpleNamespace(), SimpleNamespace()]
     sched.policy = policy_from_section(cfg.scheduler, len(sched.views))
     sched.step_metrics, sched.faults, sched.groups = [], [], {}
+    sched.runner_losses, sched.lost_runners = [], set()
     sched.recorder = RunRecorder(["cell-0", "cell-1"])
     sched.first_step, sched.steps, sched.trainer_version = 0, 2, published
     sched.scheduler_restarts = []

@@ -55,14 +55,19 @@ def test_runner_settings_are_checked(overrides: list[str], message: str) -> None
         load_config("jobs/configs/toy.yaml", overrides)
 
 
-def test_the_journal_remembers_each_executions_runner(tmp_path) -> None:
+def test_the_journal_remembers_each_executions_runner_and_its_relaunches(tmp_path) -> None:
     header = {"steps": 1}
     journal = RunJournal.begin(tmp_path, header, 0)
     journal.launched(0, 1, at_s=0.5, execution_id="s0-a-0", group="s0-a", step=0, version=0, runner=1)
     journal.launched(1, 0, at_s=0.6, execution_id="s0-a-1", group="s0-a", step=0, version=0)  # `workers`
+    loss = {"runner": 1, "execution": "s0-a-0", "relaunched_as": "r1.s0-a-0", "on_runner": 0, "at_s": 2.5}
+    journal.runner_lost(loss)
+    journal.launched(0, 1, at_s=0.5, execution_id="r1.s0-a-0", group="s0-a", step=0, version=0, runner=0)
     state = RunJournal.replay(tmp_path, header)
     assert state is not None and state.launched == {0: 1, 1: 0}
-    assert state.runners == {0: 1}
+    assert state.runners == {0: 0}  # its last launch's
+    assert state.launches[0]["execution_id"] == "r1.s0-a-0"
+    assert state.runner_losses == [loss]  # a restarted scheduler's result lists it
     assert runner_name(1) == "runner-1"
 
 

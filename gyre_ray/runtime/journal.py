@@ -50,6 +50,7 @@ class JournalState:
     launches: dict[int, dict[str, Any]] = field(default_factory=dict)
     ended_at: dict[int, float] = field(default_factory=dict)
     runners: dict[int, int] = field(default_factory=dict)  # the runner actor of each (agents.runners > 0)
+    runner_losses: list[dict[str, Any]] = field(default_factory=list)  # executions started again (runners)
     clock_wall: float | None = None  # time.time() at the run clock's 0 (a restarted actor goes on with it)
 
     @property
@@ -129,6 +130,8 @@ class RunJournal:
                     state.launches[exec_id] = {k: event[k] for k in _LAUNCH_FACTS}
                 if "runner" in event:
                     state.runners[exec_id] = int(event["runner"])
+            elif "runner_lost" in event:
+                state.runner_losses.append(event["runner_lost"])
             elif "ended" in event:
                 state.outcomes[int(event["ended"])] = event["outcome"]
                 if isinstance(event.get("at_s"), (int, float)):
@@ -163,6 +166,10 @@ class RunJournal:
         facts = zip(_LAUNCH_FACTS, (at_s, execution_id, group, step, version), strict=True)
         where = {} if runner is None else {"runner": runner}
         self._write({"launched": exec_id, "cell": cell, **{k: v for k, v in facts if v is not None}, **where})
+
+    def runner_lost(self, loss: dict[str, Any]) -> None:
+        """A runner died with an execution in flight, started again as `loss` says (`RunnerRecovery`)."""
+        self._write({"runner_lost": loss})
 
     def ended(self, exec_id: int, outcome: dict[str, Any], at_s: float | None = None) -> None:
         """Execution `exec_id`'s outcome came back at `at_s` (the recorder's clock)."""

@@ -78,6 +78,8 @@ class SchedulerReattach:
         for row in state.published:
             self.step_metrics.append(row["metrics"])
         self.faults.extend(state.faults)
+        self.runner_losses.extend(state.runner_losses)
+        self.lost_runners.update(loss["runner"] for loss in state.runner_losses)
         self.recorder.exec_stats.update(state.exec_stats)
         self.updates = max([self.first_step, *(row["batch"] + 1 for row in state.published)])
         expected = state.published[-1]["version"] if state.published else state.start_version

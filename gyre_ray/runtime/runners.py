@@ -109,10 +109,10 @@ class RunnerRecovery:
             run.exec_id, run.cell, at_s=run.since, execution_id=item.execution_id, group=item.group,
             step=self.ledger.batch_of[run.exec_id], version=run.version, runner=run.runner,
         )  # fmt: skip
-        self.runner_losses.append(
-            {"runner": lost_runner, "execution": lost_id, "relaunched_as": item.execution_id,
-             "on_runner": run.runner, "at_s": round(self._now(), 3)}
-        )  # fmt: skip
+        loss = {"runner": lost_runner, "execution": lost_id, "relaunched_as": item.execution_id,
+                "on_runner": run.runner, "at_s": round(self._now(), 3)}  # fmt: skip
+        self.runner_losses.append(loss)
+        self.journal.runner_lost(loss)  # a restarted scheduler's result still lists it
 
 
 def runner_base_url(base_url: str, proxy_host: str, proxy_ip: str, runner_ips: list[str]) -> str:
