@@ -1,7 +1,7 @@
 """Evaluation: the current policy on held-out tasks, never trained on, scored per task per step.
 
     train_tasks, held_out = split_tasks(cfg)          # what the scheduler trains on / what is evaluated
-    runner = EvalRunner(cfg, store, workers, base_url, run_dir)
+    runner = EvalRunner(cfg, store, executors, base_url, run_dir)  # executors: Runtime.agent_executors
     runner.start(step, version)                       # launch one round (eval_samples per held-out task)
     rows = runner.poll(version)                       # rounds that ended (also appended to eval.jsonl)
 
@@ -146,7 +146,7 @@ class EvalRunner:
         self,
         cfg: GyreConfig,
         store: Any,
-        workers: Any | list[Any],
+        executors: Any | list[Any],
         base_url: str,
         run_dir: str | Path,
         execute: Any = None,
@@ -160,7 +160,7 @@ class EvalRunner:
             raise ValueError("no held-out tasks to evaluate (run.eval_every is 0)")
         self.task_set = eval_task_set_name(cfg)
         self.store, self.base_url = store, base_url
-        self.executors = list(workers) if isinstance(workers, list) else [workers]
+        self.executors = list(executors) if isinstance(executors, list) else [executors]
         self.run_dir = Path(run_dir)
         self.execute = execute or run_planned_execution
         self.tag = tag

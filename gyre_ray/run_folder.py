@@ -5,11 +5,12 @@ that holds runs, a folder of call records), so that they all agree and can say w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from gyre_ray.checkpoint import CHECKPOINTS
+from gyre_ray.proxy.store_files import json_object
+
 CONFIG_FILE = "config.json"
-CHECKPOINTS_DIR = "checkpoints"
 # what the job writes at a run folder's top, beside config.json (`gyre-ray eval --out` writes eval.jsonl)
 JOB_FILES = (
     "metrics.jsonl",
@@ -35,18 +36,9 @@ def is_run_folder(folder: Path) -> bool:
     A config.json that does not read (cut off) counts when the job's files are there."""
     if not (folder / CONFIG_FILE).is_file():
         return False
-    config = _json_object(folder / CONFIG_FILE)
+    config = json_object(folder / CONFIG_FILE)
     if config is not None and any(key in config for key in _HF_CONFIG_KEYS):
         return False
-    if (folder / CHECKPOINTS_DIR).is_dir() or any((folder / name).is_file() for name in JOB_FILES):
+    if (folder / CHECKPOINTS).is_dir() or any((folder / name).is_file() for name in JOB_FILES):
         return True
     return config is not None and isinstance(config.get("run"), dict)
-
-
-def _json_object(path: Path) -> dict | None:
-    """The JSON object a file holds; None when it does not read as one."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None

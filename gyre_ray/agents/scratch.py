@@ -10,6 +10,7 @@ that is itself a path the command needs (kept shared) and hosts that refuse the 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import shutil
 import stat
@@ -100,7 +101,7 @@ def scratch_usage(
     seen: set[tuple[int, int]] = set()  # a file linked twice counts once
     for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid, skip):
         below = tree_entries(entry.path) if stat.S_ISDIR(st.st_mode) else ()
-        for one in (st, *below):
+        for one in itertools.chain((st,), below):
             size = allocated(one, seen)
             total += size
             if one.st_dev in ram_devs:

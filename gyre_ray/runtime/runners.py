@@ -58,9 +58,7 @@ def start_runners(section: AgentSection, namespace: str, lifetime: str | None, t
         ).remote()
         for index in range(section.runners)
     ]
-    ready, pending = ray.wait(
-        [r.node_ip.remote() for r in runners], num_returns=len(runners), timeout=timeout_s
-    )
+    _, pending = ray.wait([r.node_ip.remote() for r in runners], num_returns=len(runners), timeout=timeout_s)
     if pending:
         for runner in runners:
             ray.kill(runner, no_restart=True)
