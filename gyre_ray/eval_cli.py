@@ -132,7 +132,9 @@ def evaluate(
     )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
     try:
-        runtime.workers = RunWorkers.options(name=WORKERS_NAME, namespace=runtime.namespace).remote()
+        runtime.workers = RunWorkers.options(
+            name=WORKERS_NAME, namespace=runtime.namespace, max_restarts=-1
+        ).remote()
         if cfg.agents.runners:  # the round's executions on the agents' nodes, as in training
             runtime.runners = start_runners(cfg.agents, runtime.namespace, None, timeout_s=300.0)
         executors, base_url = runtime.agent_executors()

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -136,11 +137,18 @@ class _Round:
     version: int
     items: list[EvalItem]
     refs: list[Any]
+    executor: list[int]  # the index (in `EvalRunner.executors`) each item runs on
+    ended: set[Any] = field(default_factory=set)  # refs whose execution came back (not lost)
 
 
 class EvalRunner:
     """Launches evaluation rounds as executions of the run's `workers` actor, or dealt out over its
-    runner actors (`agents.runners`: `Runtime.agent_executors`), and collects their rows."""
+    runner actors (`agents.runners`: `Runtime.agent_executors`), and collects their rows.
+
+    An execution whose executor dies under it starts again from the beginning on the next executor
+    (a restarted `workers` where there is no other), under a new id (`r1.<id>`) and workspace (the
+    same seed), the lost one's key revoked; `MAX_STARTS` starts of one execution stop the round.
+    """
 
     def __init__(
         self,
@@ -171,8 +179,6 @@ class EvalRunner:
         """Launch the round of the policy after `step` updates (unless one already ran); True if launched."""
         import ray
 
-        from gyre_ray.agents.runner import Endpoint
-
         if step in self.done_steps or any(r.step == step for r in self.rounds):
             return False
         items = plan_round(self.tasks, self.cfg.run.eval_samples, step, self.run_dir / "workspaces", self.tag)
@@ -180,40 +186,86 @@ class EvalRunner:
             [self.store.register.remote(i.execution_id, {"task_id": i.task_id, "eval": True}) for i in items],
             timeout=60,
         )
-        agents = self.cfg.agents.model_dump()
-        refs = [
-            self.executors[index % len(self.executors)].execute.remote(
-                self.execute,
-                item.execution_id,
-                self.task_set,
-                item.task_id,
-                Endpoint(self.base_url, key["api_key"]),
-                str(item.workspace),
-                agents,
-                run_seed=self.cfg.run.seed,
-            )  # fmt: skip
-            for index, (item, key) in enumerate(zip(items, keys, strict=True))
-        ]
-        self.rounds.append(_Round(step, version, items, refs))
+        executor = [index % len(self.executors) for index in range(len(items))]
+        refs = [self._execute(i, k["api_key"], e) for i, k, e in zip(items, keys, executor, strict=True)]
+        self.rounds.append(_Round(step, version, items, refs, executor))
         return True
+
+    def _execute(self, item: EvalItem, api_key: str, executor: int) -> Any:
+        from gyre_ray.agents.runner import Endpoint
+
+        return self.executors[executor].execute.remote(
+            self.execute, item.execution_id, self.task_set, item.task_id, Endpoint(self.base_url, api_key),
+            str(item.workspace), self.cfg.agents.model_dump(), run_seed=self.cfg.run.seed,
+        )  # fmt: skip
+
+    def _start_lost_again(self, rnd: _Round) -> None:
+        """Executions of `rnd` whose executor died under them, started again on the next executor."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from gyre_ray.runtime.runners import (
+            MAX_STARTS,
+            ExecutorLostError,
+            relaunch_id,
+            starts_of,
+            wait_until_answering,
+        )
+
+        waiting = [ref for ref in rnd.refs if ref not in rnd.ended]
+        ready = set(ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]) if waiting else set()
+        for index, ref in enumerate(rnd.refs):
+            if ref not in ready:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                item = rnd.items[index]
+                if starts_of(item.execution_id) >= MAX_STARTS:
+                    raise ExecutorLostError(
+                        f"evaluation execution {item.execution_id} lost its executor {MAX_STARTS} times"
+                    ) from None
+                self.store.finish_execution.remote(item.execution_id)  # its key revoked
+                again = EvalItem(
+                    relaunch_id(item.execution_id),
+                    item.task_id,
+                    item.workspace.with_name(relaunch_id(item.workspace.name)),
+                )
+                meta = {"task_id": item.task_id, "eval": True, "relaunch_of": item.execution_id}
+                key = ray.get(self.store.register.remote(again.execution_id, meta), timeout=60)["api_key"]
+                rnd.executor[index] = (rnd.executor[index] + 1) % len(self.executors)
+                wait_until_answering(
+                    self.executors[rnd.executor[index]], f"evaluation executor {rnd.executor[index]}"
+                )
+                rnd.items[index], rnd.refs[index] = again, self._execute(again, key, rnd.executor[index])
+                continue
+            except Exception:  # noqa: BLE001 - the execution's own error: raised when the round is read
+                pass
+            rnd.ended.add(ref)
 
     def poll(self, version: int, timeout_s: float = 0.0) -> list[dict[str, Any]]:
         """Rows of the rounds that have ended (waiting up to `timeout_s` for them), appended to eval.jsonl."""
         import ray
 
-        rows = []
-        for rnd in list(self.rounds):
-            ready, _ = ray.wait(rnd.refs, num_returns=len(rnd.refs), timeout=timeout_s)
-            if len(ready) < len(rnd.refs):
-                continue
-            outcomes = ray.get(rnd.refs)
-            row = summarize(rnd.step, outcomes, self.cfg.run.eval_pass_threshold, rnd.version, version)
-            with open(self.run_dir / EVAL_FILE, "a") as handle:
-                handle.write(json.dumps(row) + "\n")
-            self.rounds.remove(rnd)
-            self.done_steps.add(rnd.step)
-            rows.append(row)
-        return rows
+        rows: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for rnd in list(self.rounds):
+                self._start_lost_again(rnd)
+                if len(rnd.ended) < len(rnd.refs):
+                    continue
+                outcomes = ray.get(rnd.refs)
+                row = summarize(rnd.step, outcomes, self.cfg.run.eval_pass_threshold, rnd.version, version)
+                with open(self.run_dir / EVAL_FILE, "a") as handle:
+                    handle.write(json.dumps(row) + "\n")
+                self.rounds.remove(rnd)
+                self.done_steps.add(rnd.step)
+                rows.append(row)
+            waiting = [ref for rnd in self.rounds for ref in rnd.refs if ref not in rnd.ended]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                return rows
+            ray.wait(waiting, num_returns=1, timeout=left)  # wakes at the next end (or loss)
 
     def finish(self, version: int, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
         """Wait for every round under way; returns their rows."""

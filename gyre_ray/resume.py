@@ -28,6 +28,7 @@ from gyre_ray.observability.metrics import WANDB_PENDING_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recorder import trace_row
+from gyre_ray.runtime.runners import executor_name
 
 _TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
 _EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
@@ -175,6 +176,7 @@ def lost_trace_rows(
             int(facts["version"]),
             outcome,
             state.exec_stats.get(facts["execution_id"], {}),
+            executor_name(state.runners.get(e)),
         )
         rows.append(shift(row, ("start", "end"), offset))
     return rows

@@ -100,3 +100,79 @@ def test_store_actor_dies_mid_step(runtime) -> None:
     print("store after the restart", stats)
     assert stats["records"] == before + 4 * EXECUTOR.calls  # every record, none twice
     assert not result["scheduler_restarts"] and len(result["steps"]) == 1
+
+
+def test_workers_actor_dies_mid_step(runtime) -> None:
+    """`workers` (every execution's executor without `agents.runners`) is killed mid-step: Ray starts it
+    again and the scheduler starts each execution it held again there, from the beginning, under a
+    new id (`r1.<id>`); the step trains on every execution's full records."""
+    rt = runtime
+    before = ray.get(rt.store.stats.remote(), timeout=30)["records"]
+    run_ref = rt.scheduler.run.remote(1, scheduler={"policy": "colocate", "staleness": 0}, tag="w-")
+    wait_for_calls(rt, run_ref, calls=before + 2)  # no harness is done yet: each makes 4 calls
+    ray.kill(rt.workers, no_restart=False)
+    result = ray.get(run_ref, timeout=600)
+    losses = result["runner_losses"]
+    print("workers losses", losses)
+    assert len(losses) == 4, losses
+    assert all(loss["actor"] == "workers" and loss["runner"] is None is loss["on_runner"] for loss in losses)
+    assert all(loss["relaunched_as"] == "r1." + loss["execution"] for loss in losses), losses
+    check_nothing_lost(rt.folder, result, executions=4, calls=EXECUTOR.calls)
+    assert {row["runner"] for row in result["trace"]} == {"workers"}
+    assert {row["exec_id"] for row in result["trace"]} == {loss["relaunched_as"] for loss in losses}
+    assert len(result["steps"]) == 1 and result["steps"][0]["executions"] == 4
+
+
+def test_an_evaluation_round_survives_its_executor(runtime) -> None:
+    """An evaluation round's executions whose `workers` dies under them start again (`r1.<id>`,
+    a fresh workspace with the same seed) and the round's row scores every one."""
+    from gyre_ray.evaluation import EvalRunner
+
+    rt = runtime
+    cfg = rt.config.model_copy(update={"run": rt.config.run.model_copy(update={"eval_every": 1})})
+    slow = CountingExecutor(calls=6, max_tokens=16, tool_s=0.5)  # >= 3 s: still running at the kill
+    evaluator = EvalRunner(cfg, rt.store, [rt.workers], rt.proxy.base_url, rt.folder / "eval", slow)
+    assert evaluator.start(0, 0)
+    ids = [item.execution_id for item in evaluator.rounds[0].items]
+    names = [item.workspace.name for item in evaluator.rounds[0].items]
+    deadline = time.monotonic() + 300
+    while True:  # until one has a record, so every harness is mid-way
+        done = ray.get([rt.store.execution_info.remote(i) for i in ids], timeout=30)
+        if any(info["num_records"] for info in done):
+            break
+        assert time.monotonic() < deadline, "the evaluation made no calls"
+        time.sleep(0.05)
+    assert all(info["num_records"] < slow.calls for info in done), done
+    ray.kill(rt.workers, no_restart=False)
+    (row,) = evaluator.finish(0, timeout_s=600)
+    assert row["executions"] == row["valid"] == len(ids) == len(evaluator.tasks) * cfg.run.eval_samples, row
+    started_again = sorted(p.name for p in (rt.folder / "eval" / "workspaces" / "eval-0").glob("r1.*"))
+    assert started_again == sorted("r1." + name for name in names)  # every one: all were mid-way
+
+
+def test_a_group_whose_processing_dies_with_workers_is_processed_again(runtime) -> None:
+    """A group job on `workers` that fails because the actor died is submitted again (and the loss
+    journaled as a fault), not raised: its records are in the store."""
+    rt = runtime
+    from types import SimpleNamespace
+
+    from gyre_ray.runtime.scheduler import RunScheduler
+    from gyre_ray.runtime.work import GroupJob
+
+    @ray.remote
+    class Doomed:
+        def wait(self) -> None:
+            time.sleep(60)
+
+    doomed = Doomed.remote()
+    ref = doomed.wait.remote()
+    ray.kill(doomed)
+    submitted, journaled = [], []
+    fake = SimpleNamespace(
+        faults=[], _now=lambda: 1.0, journal=SimpleNamespace(fault=journaled.append), workers=rt.workers,
+        _submit_group=submitted.append, _group_done=lambda *_: pytest.fail("no result came back"),
+    )  # fmt: skip
+    job = GroupJob("s0-vowels", 0, 0.5)
+    RunScheduler._group_processed(fake, ref, job)
+    assert submitted == [job]
+    assert journaled == fake.faults and fake.faults[0]["group_processed_again"] == "s0-vowels"

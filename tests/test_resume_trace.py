@@ -48,9 +48,9 @@ def _earlier_rows() -> list[dict[str, Any]]:
     """The first segment's trace rows (steps 0 and 1, ending at 10.0 on the run's clock)."""
     return [
         {"start": 0.0, "end": 4.0, "task": "s0-a", "step": 0, "timed_out": False, "exec_id": "s0-a-0",
-         "calls": 2, "tokens": 80, "trajectories": 1, "dropped": False, "version": 0, "reward": 1.0},
+         "calls": 2, "tokens": 80, "trajectories": 1, "dropped": False, "version": 0, "reward": 1.0, "runner": "workers"},
         {"start": 5.0, "end": 10.0, "task": "s1-a", "step": 1, "timed_out": False, "exec_id": "s1-a-0",
-         "calls": 2, "tokens": 80, "trajectories": 1, "dropped": False, "version": 1, "reward": 0.5},
+         "calls": 2, "tokens": 80, "trajectories": 1, "dropped": False, "version": 1, "reward": 0.5, "runner": "workers"},
     ]  # fmt: skip
 
 
@@ -59,7 +59,7 @@ def _killed_segment(run_dir: Path) -> None:
     2 and 3, checkpointed step 3 and was killed while step 4 ran: it wrote no trace."""
     journal = RunJournal.begin(run_dir, HEADER, 2)
     journal.launched(0, 0, at_s=0.25, execution_id="s2-a-0", group="s2-a", step=2, version=2)
-    journal.launched(1, 1, at_s=0.5, execution_id="s2-a-1", group="s2-a", step=2, version=2)
+    journal.launched(1, 1, at_s=0.5, execution_id="s2-a-1", group="s2-a", step=2, version=2, runner=1)
     journal.ended(0, _outcome("s2-a-0", reward=2 / 3, valid=True), 2.5)
     journal.ended(1, _outcome("s2-a-1", reward=0.0, valid=False, timed_out=True), 3.0)
     journal.group_stats(STATS)
@@ -77,10 +77,10 @@ def _step_2_rows(offset: float) -> list[dict[str, Any]]:
     return [
         {"start": 0.25 + offset, "end": 2.5 + offset, "task": "s2-a", "step": 2, "timed_out": False,
          "exec_id": "s2-a-0", "calls": 3, "tokens": 120, "trajectories": 2, "dropped": False,
-         "version": 2, "reward": 0.666667},
+         "version": 2, "reward": 0.666667, "runner": "workers"},
         {"start": 0.5 + offset, "end": 3.0 + offset, "task": "s2-a", "step": 2, "timed_out": True,
          "exec_id": "s2-a-1", "calls": 1, "tokens": 40, "trajectories": 0, "dropped": True,
-         "version": 2, "reward": None},
+         "version": 2, "reward": None, "runner": "runner-1"},
     ]  # fmt: skip
 
 
@@ -133,7 +133,8 @@ def test_an_execution_with_no_end_ends_at_the_segments_last_publish(tmp_path: Pa
     journal.close()
     assert lost_trace_rows(tmp_path, 2, []) == [
         {"start": 1.0, "end": 9.75, "task": "s0-a", "step": 0, "timed_out": False, "exec_id": "s0-a-0",
-         "calls": 0, "tokens": 0, "trajectories": 0, "dropped": True, "version": 0, "reward": None},
+         "calls": 0, "tokens": 0, "trajectories": 0, "dropped": True, "version": 0, "reward": None,
+         "runner": "workers"},
     ]  # fmt: skip
 
 
@@ -197,7 +198,8 @@ def test_the_schedulers_journal_gives_the_rows_its_recorder_writes(
     sched.recorder, sched.views, sched.running, sched.outcomes = RunRecorder(["cell-0"]), [], {}, {}
     sched.journal = RunJournal.begin(tmp_path, {"steps": 2, "first_step": 0, "tag": ""}, 0)
     sched.store = SimpleNamespace(register=SimpleNamespace(remote=lambda *args: {"api_key": "k"}))
-    sched._start_execution = lambda item, key: (item.execution_id, None)  # the outcome's "ref", no runner
+    sched.runners = []  # every execution in `workers`
+    sched._start_execution = lambda item, key, runner: (item.execution_id, runner)  # the outcome's "ref"
     sched._process_if_ended = lambda group, now: None
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)
     clock = iter([0.123456, 0.5, 2.3456789, 2.75, 3.14159])
@@ -223,5 +225,6 @@ def test_the_schedulers_journal_gives_the_rows_its_recorder_writes(
 
     recorded = sched.recorder.trace(sched)
     assert [r["exec_id"] for r in recorded] == ["s0-a-0", "s0-a-1", "s1-a-0"]
+    assert {r["runner"] for r in recorded} == {"workers"}  # the actor that ran each (the journal's too)
     assert lost_trace_rows(tmp_path, 1, []) == [r for r in recorded if r["step"] == 0]
     assert lost_trace_rows(tmp_path, 1, [])[0]["start"] == 0.1235 and recorded[0]["reward"] == 0.123457

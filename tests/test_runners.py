@@ -8,7 +8,17 @@ import pytest
 
 from gyre_ray.config import ConfigError, load_config
 from gyre_ray.runtime.journal import RunJournal
-from gyre_ray.runtime.runners import least_loaded, relaunch_id, runner_base_url, runner_name
+from gyre_ray.runtime.runners import (
+    MAX_STARTS,
+    ExecutorLostError,
+    RunnerRecovery,
+    executor_name,
+    least_loaded,
+    relaunch_id,
+    runner_base_url,
+    runner_name,
+    starts_of,
+)
 
 
 def test_an_execution_goes_to_the_runner_running_the_fewest() -> None:
@@ -86,3 +96,22 @@ def test_an_execution_started_again_gets_a_new_id() -> None:
     assert execution_seconds(schedule, "r1.s0-lt00-vowels-1") == execution_seconds(
         schedule, "s0-lt00-vowels-1"
     )
+
+
+def test_an_executions_starts_are_read_from_its_id_and_bounded() -> None:
+    assert [starts_of(i) for i in ("s0-a-0", "r1.s0-a-0", "r4.elastic.s0-a-0", "elastic.s0-a-0")] == [
+        1,
+        2,
+        5,
+        1,
+    ]
+    assert executor_name(None) == "workers" and executor_name(2) == "runner-2"
+
+    class Scheduler(RunnerRecovery):  # only what `_runner_lost` reads before it refuses
+        planned = [type("Item", (), {"execution_id": f"r{MAX_STARTS - 1}.s0-a-0"})()]
+
+    run = type("Run", (), {"exec_id": 0, "runner": None})()
+    with pytest.raises(
+        ExecutorLostError, match=rf"r{MAX_STARTS - 1}.s0-a-0 lost its executor \(workers\) {MAX_STARTS} times"
+    ):
+        Scheduler()._runner_lost(run)

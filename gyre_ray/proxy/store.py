@@ -128,18 +128,6 @@ class TrajectoryStore:
             return None
         return self._finished_keys.get(store_files.key_digest(api_key))
 
-    def reissue_key(self, execution_id: str) -> str:
-        """A new API key for a registered execution, the old one revoked (the runtime's own use: a
-        restarted scheduler launches again an execution whose harness never started, whose key a
-        restarted store may only know by digest; never exposed over HTTP)."""
-        with self._lock:
-            ex = self._get(execution_id)
-            if ex.finished:
-                raise StoreError(f"execution {execution_id!r} has finished: its key stays revoked")
-            api_key = "gyre-" + secrets.token_urlsafe(24)
-            self._rekey(ex, api_key)
-            return api_key
-
     def _rekey(self, ex: _Execution, api_key: str) -> None:
         """`api_key` is `ex`'s key from now on; its old key (or key digest) no longer names it."""
         self._by_key.pop(ex.api_key, None)

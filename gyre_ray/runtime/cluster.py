@@ -300,8 +300,9 @@ class Runtime:
         head = self.config.cells.control_resources()
         lifetime = "detached" if self.detached else None
         self.workers = RunWorkers.options(
-            name=WORKERS_NAME, namespace=self.namespace, resources=head, lifetime=lifetime
-        ).remote()
+            name=WORKERS_NAME, namespace=self.namespace, resources=head, lifetime=lifetime,
+            max_restarts=-1,  # a dead `workers` comes back; the scheduler starts its executions again
+        ).remote()  # fmt: skip
         if self.config.agents.runners:
             self.runners = start_runners(self.config.agents, self.namespace, lifetime, timeout_s)
         runner_url = self.agent_executors(timeout_s)[1]

@@ -36,6 +36,7 @@ from gyre_ray.agents.runner import ExecutionOutcome
 from gyre_ray.proxy.store import actor_was_restarted
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recovery import is_cell_loss
+from gyre_ray.runtime.runners import executor_name
 from gyre_ray.runtime.work import RunningExecution, Switch
 from gyre_ray.scheduling.runtime import CellPhase
 
@@ -79,7 +80,7 @@ class SchedulerReattach:
             self.step_metrics.append(row["metrics"])
         self.faults.extend(state.faults)
         self.runner_losses.extend(state.runner_losses)
-        self.lost_runners.update(loss["runner"] for loss in state.runner_losses)
+        self.lost_runners.update(loss["runner"] for loss in state.runner_losses if loss["runner"] is not None)
         self.recorder.exec_stats.update(state.exec_stats)
         self.updates = max([self.first_step, *(row["batch"] + 1 for row in state.published)])
         expected = state.published[-1]["version"] if state.published else state.start_version
@@ -128,15 +129,15 @@ class SchedulerReattach:
             where = self.workers if runner is None else self.runners[runner]
             ref = where.outcome_of.remote(self.planned[exec_id].execution_id)
             self.running[ref] = RunningExecution(exec_id, cell, start, version, runner)
+            self.recorder.ran_on(exec_id, executor_name(runner))
             counts["running"] += 1
         return counts
 
     def _relaunch(self, run: RunningExecution) -> None:
-        """An execution journaled as launched that `workers` never started: start it now (a new key)."""
-        item = self.planned[run.exec_id]
-        key = ray.get(self.store.reissue_key.remote(item.execution_id), timeout=60)
-        ref, run.runner = self._start_execution(item, key)
-        self.running[ref] = run
+        """An execution journaled as launched that its executor does not know: the old scheduler died
+        before handing it over, or the executor died since and Ray started a new one (whose harness
+        may have left records). Start it again under a new id (`RunnerRecovery._start_again`)."""
+        self._start_again(run)
         if self.scheduler_restarts:
             self.scheduler_restarts[-1]["executions_relaunched"] += 1
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from gyre_ray.agents.outcomes import outcome_metrics
 from gyre_ray.runtime.report import overlap_seconds, staleness_summary, utilisation
+from gyre_ray.runtime.runners import WORKERS_NAME
 from gyre_ray.scheduling.runtime import CellPhase
 from gyre_ray.scheduling.state import Role
 
@@ -62,10 +63,12 @@ def trace_row(
     version: int,
     outcome: tuple[bool, bool, float] | None,
     stats: Mapping[str, Any],
+    runner: str,
 ) -> dict[str, Any]:
     """One `trace.jsonl` row: an execution launched at `span[0]` on policy `version`, ended at `span[1]`
     (seconds on the recorder's clock) with `outcome` (timed_out, valid, reward; None: no outcome came
-    back), and `stats` its group's figures of it (calls, tokens, trajectories kept)."""
+    back), `stats` its group's figures of it (calls, tokens, trajectories kept), run by the actor
+    `runner` (`workers` or `runner-<i>`)."""
     timed_out, valid, reward = outcome if outcome is not None else (False, False, 0.0)
     return {
         "start": round(span[0], 4),
@@ -80,6 +83,7 @@ def trace_row(
         "dropped": not valid,
         "version": version,
         "reward": round(reward, 6) if valid else None,
+        "runner": runner,
     }
 
 
@@ -93,6 +97,7 @@ class RunRecorder:
         self.end: dict[int, float] = {}
         self.version: dict[int, int] = {}
         self.outcome: dict[int, Any] = {}
+        self.runner: dict[int, str] = {}  # the actor each execution (last) ran in
         self.spans: list[tuple[str, str, float, float]] = []
         self._busy: dict[int, float] = {}
         self.switch_seconds: dict[str, list[float]] = {"to_train": [], "to_rollout": []}
@@ -112,6 +117,9 @@ class RunRecorder:
     # ---- feeds ----------------------------------------------------------------------------------
     def launched(self, exec_id: int, now: float, version: int) -> None:
         self.start[exec_id], self.version[exec_id] = now, version
+
+    def ran_on(self, exec_id: int, actor: str) -> None:
+        self.runner[exec_id] = actor
 
     def ended(self, exec_id: int, now: float, outcome: Any) -> None:
         self.end[exec_id], self.outcome[exec_id] = now, outcome
@@ -258,6 +266,7 @@ class RunRecorder:
                     self.version[e],
                     None if outcome is None else (outcome.timed_out, outcome.valid, outcome.reward),
                     self.exec_stats.get(item.execution_id, {}),
+                    self.runner.get(e, WORKERS_NAME),
                 )
             )
         return rows

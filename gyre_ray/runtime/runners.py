@@ -8,10 +8,11 @@ namespace, spread over the nodes that offer `agents.runner_resources` (say CPU-o
 running (`least_loaded`), journaling which, so a restarted scheduler asks that runner for its outcome.
 
 A runner that dies (its node lost, its process killed; Ray starts it again, on another node if its
-node is gone) takes its executions' harnesses with it. `RunnerRecovery` (a part of `RunScheduler`)
-starts each of them again from the beginning on another runner, under a new id (`r1.<id>`, ...):
-the lost harness's records stay in the store under the old id, its key revoked, and are never
-trained on; the group's training waits for the new execution as for any other.
+node is gone) takes its executions' harnesses with it, and so does `workers` (Ray starts it again
+too). `RunnerRecovery` (a part of `RunScheduler`) starts each of them again from the beginning, on
+another runner where there is one, under a new id (`r1.<id>`, ...): the lost harness's records stay
+in the store under the old id, its key revoked, and are never trained on; the group's training waits
+for the new execution as for any other. An execution started `MAX_STARTS` times stops the run.
 
 A runner on another node reaches the proxy over the network: `runner_base_url` gives it the proxy's
 node address where the proxy listens on every interface (`proxy.host=0.0.0.0`), and refuses a proxy
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -30,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 from gyre_ray.agents.config import AgentSection
 from gyre_ray.config import ConfigError
 
+WORKERS_NAME = "workers"  # the run's own executor beside the scheduler (`gyre_ray.runtime.workers`)
 RUNNER_PREFIX = "runner-"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _EVERY_INTERFACE = ("0.0.0.0", "::")
@@ -86,31 +89,86 @@ def relaunch_id(execution_id: str) -> str:
     return f"r{int(match.group(1)) + 1}.{match.group(2)}" if match else f"r1.{execution_id}"
 
 
+MAX_STARTS = 5  # starts of one planned execution (its first and each after its executor died)
+
+
+def executor_name(runner: int | None) -> str:
+    """The named actor an execution runs in: `runner-<i>`, or `workers` (runner None)."""
+    return WORKERS_NAME if runner is None else runner_name(runner)
+
+
+def starts_of(execution_id: str) -> int:
+    """How many times a planned execution has been started, read from its id (`r2.<id>`: 3)."""
+    match = re.fullmatch(r"r(\d+)\..*", execution_id)
+    return 1 + int(match.group(1)) if match else 1
+
+
+class ExecutorLostError(RuntimeError):
+    """An execution's executor died under it `MAX_STARTS` times, or did not come back: the run stops."""
+
+
+def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> None:
+    """Block until executor `actor` answers (Ray restarting it after a death: a call sent before the
+    new process is up fails too, which would cost an execution a start); ExecutorLostError after
+    `timeout_s`."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.node_ip.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except (RayActorError, GetTimeoutError) as exc:
+            if time.monotonic() >= deadline:
+                raise ExecutorLostError(
+                    f"{name} did not come back within {timeout_s:.0f} s ({exc})"
+                ) from None
+            time.sleep(0.2)
+
+
 class RunnerRecovery:
-    """Executions of a runner that died, started again on another (a part of `RunScheduler`)."""
+    """Executions whose executor (a runner actor or `workers`) died, started again (a part of `RunScheduler`)."""
 
     def _runner_lost(self, run: Any) -> None:
-        """Runner `run.runner` died with execution `run` in flight: start it again from the beginning
-        on another runner, under a new id and key (module docstring)."""
+        """The executor of execution `run` died with it in flight (`run.runner`; None: `workers`): start
+        it again from the beginning, on another runner where there is one, under a new id and key."""
+        lost_id, lost_runner = self.planned[run.exec_id].execution_id, run.runner
+        if starts_of(lost_id) >= MAX_STARTS:
+            raise ExecutorLostError(
+                f"execution {lost_id} lost its executor ({executor_name(lost_runner)}) {MAX_STARTS} times; "
+                "the run stops rather than start it again (see the actor's log in the Ray dashboard)"
+            )
+        if lost_runner is not None:
+            self.lost_runners.add(lost_runner)
+        self._start_again(run)
+        loss = {"runner": lost_runner, "actor": executor_name(lost_runner), "execution": lost_id,
+                "relaunched_as": self.planned[run.exec_id].execution_id, "on_runner": run.runner,
+                "at_s": round(self._now(), 3)}  # fmt: skip
+        self.runner_losses.append(loss)
+        self.journal.runner_lost(loss)  # a restarted scheduler's result still lists it
+
+    def _start_again(self, run: Any) -> None:
+        """Start planned execution `run` afresh under a new id (`relaunch_id`), key and workspace; the
+        old id's key is revoked (a harness that lives on adds nothing) and its records, if any, stay
+        in the store under the old id, never trained on."""
         import ray
 
         item = self.planned[run.exec_id]
-        lost_id, lost_runner = item.execution_id, run.runner
+        lost_id = item.execution_id
         item = self.planned[run.exec_id] = dataclasses.replace(item, execution_id=relaunch_id(lost_id))
-        self.lost_runners.add(lost_runner)
-        self.store.finish_execution.remote(lost_id)  # its key revoked: a harness that lives on adds nothing
+        self.store.finish_execution.remote(lost_id)
         metadata = {"task_id": item.task.task_id, "relaunch_of": lost_id}
         key = ray.get(self.store.register.remote(item.execution_id, metadata), timeout=60)["api_key"]
-        ref, run.runner = self._start_execution(item, key)
+        runner = self._pick_runner()
+        wait_until_answering(self._executor(runner), executor_name(runner))
+        ref, run.runner = self._start_execution(item, key, runner)
         self.running[ref] = run
+        self.recorder.ran_on(run.exec_id, executor_name(run.runner))
         self.journal.launched(
             run.exec_id, run.cell, at_s=run.since, execution_id=item.execution_id, group=item.group,
             step=self.ledger.batch_of[run.exec_id], version=run.version, runner=run.runner,
         )  # fmt: skip
-        loss = {"runner": lost_runner, "execution": lost_id, "relaunched_as": item.execution_id,
-                "on_runner": run.runner, "at_s": round(self._now(), 3)}  # fmt: skip
-        self.runner_losses.append(loss)
-        self.journal.runner_lost(loss)  # a restarted scheduler's result still lists it
 
 
 def runner_base_url(base_url: str, proxy_host: str, proxy_ip: str, runner_ips: list[str]) -> str:

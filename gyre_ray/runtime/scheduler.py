@@ -42,7 +42,7 @@ from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.recovery import CellRecovery
 from gyre_ray.runtime.run_keeper import RunKeeper, run_key
-from gyre_ray.runtime.runners import RunnerRecovery, least_loaded
+from gyre_ray.runtime.runners import RunnerRecovery, executor_name, least_loaded, wait_until_answering
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.updates import UpdateStages
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
@@ -329,7 +329,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         now = self._now()
         for action, key in zip(launches, keys, strict=True):
             item = self.planned[action.exec_id]
-            ref, runner = self._start_execution(item, key["api_key"])
+            ref, runner = self._start_execution(item, key["api_key"], self._pick_runner())
             self.running[ref] = RunningExecution(
                 action.exec_id, action.cell_id, now, self.trainer_version, runner
             )
@@ -339,18 +339,26 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
             )  # fmt: skip
             self.ledger.launch(action.exec_id, action.cell_id, now, self.trainer_version)
             self.recorder.launched(action.exec_id, now, self.trainer_version)
+            self.recorder.ran_on(action.exec_id, executor_name(runner))
         self.recorder.loads(self, now)
 
-    def _start_execution(self, item: PlannedExecution, api_key: str) -> tuple[Any, int | None]:
-        """Start one planned execution under `api_key` on the runner running the fewest (`workers`
-        without runners); returns its outcome's ref and the runner's index (None: `workers`)."""
+    def _pick_runner(self) -> int | None:
+        """The runner running the fewest executions, of those not known dead while any is left (None:
+        `workers`, where there are no runners)."""
+        if not self.runners:
+            return None
+        return least_loaded((r.runner for r in self.running.values()), len(self.runners), self.lost_runners)
+
+    def _executor(self, runner: int | None) -> Any:
+        return self.workers if runner is None else self.runners[runner]
+
+    def _start_execution(
+        self, item: PlannedExecution, api_key: str, runner: int | None
+    ) -> tuple[Any, int | None]:
+        """Start one planned execution under `api_key` on `runner` (`_pick_runner`); returns its
+        outcome's ref and the runner's index (None: `workers`)."""
         cfg = self.cfg
-        runner = None
-        if self.runners:
-            runner = least_loaded(
-                (r.runner for r in self.running.values()), len(self.runners), self.lost_runners
-            )
-        ref = (self.workers if runner is None else self.runners[runner]).execute.remote(
+        ref = self._executor(runner).execute.remote(
             self.execute, item.execution_id, cfg.agents.task_set, item.task.task_id,
             Endpoint(self.base_url, api_key), str(self.run_dir / "workspaces" / item.execution_id),
             cfg.agents.model_dump(), run_seed=cfg.run.seed,
@@ -427,7 +435,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         elif ref in self.micro:
             self._micro_done(ref, self.micro.pop(ref))
         elif ref in self.jobs:
-            self._group_done(ray.get(ref), self.jobs.pop(ref))
+            self._group_processed(ref, self.jobs.pop(ref))
         elif ref in self.imports:
             ray.get(ref)
             self.imports.discard(ref)
@@ -443,12 +451,10 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
     def _execution_ended(self, ref: Any, run: RunningExecution) -> None:
         try:
             outcome = ray.get(ref)
-        except ray.exceptions.RayActorError:
-            if run.runner is None:  # `workers` itself died: the run stops (docs/faults.md)
-                raise
+        except ray.exceptions.RayActorError:  # its runner (or `workers`) died: Ray starts it again
             return self._runner_lost(run)
-        if outcome is None:  # journaled by a scheduler that died before `workers` got it
-            return self._relaunch(run)
+        if outcome is None:  # journaled by a scheduler that died before its executor got it (or an
+            return self._relaunch(run)  # executor that died since: Ray started a new one)
         now = self._now()
         self.outcomes[run.exec_id] = outcome
         self.journal.ended(run.exec_id, outcome.to_dict(), now)
@@ -461,9 +467,24 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         """Once every execution of `group` has ended (and its step is not published), process its records."""
         if self.group_batch[group] < self.updates or not all(e in self.outcomes for e in self.groups[group]):
             return
-        outcomes = [self.outcomes[e].to_dict() for e in self.groups[group]]
-        job = self.workers.process_group.remote(self.store, group, outcomes, self.cfg_json, self.proxy)
-        self.jobs[job] = GroupJob(group, self.group_batch[group], now)
+        self._submit_group(GroupJob(group, self.group_batch[group], now))
+
+    def _submit_group(self, job: GroupJob) -> None:
+        outcomes = [self.outcomes[e].to_dict() for e in self.groups[job.group]]
+        ref = self.workers.process_group.remote(self.store, job.group, outcomes, self.cfg_json, self.proxy)
+        self.jobs[ref] = job
+
+    def _group_processed(self, ref: Any, job: GroupJob) -> None:
+        try:
+            result = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:  # `workers` died processing it: Ray starts it again
+            event = {"actor": WORKERS_NAME, "at_s": round(self._now(), 3), "lost": type(exc).__name__,
+                     "group_processed_again": job.group, "batch": job.batch}  # fmt: skip
+            self.faults.append(event)
+            self.journal.fault(event)
+            wait_until_answering(self.workers, WORKERS_NAME)
+            return self._submit_group(job)  # its records are in the store: processed again there
+        self._group_done(result, job)
 
     def _group_done(self, result: GroupResult, job: GroupJob) -> None:
         stream = self.streams[job.batch]

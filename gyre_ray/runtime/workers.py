@@ -21,8 +21,9 @@ from typing import Any
 import ray
 
 from gyre_ray.runtime.groups import GroupResult, process_group
+from gyre_ray.runtime.runners import WORKERS_NAME
 
-WORKERS_NAME = "workers"
+__all__ = ["WORKERS_NAME", "RunWorkers"]
 OUTCOMES_KEPT = 100_000  # outcomes of ended executions remembered (a few hundred bytes each)
 
 

@@ -11,7 +11,7 @@ A trace is JSONL (one object per line) or CSV (a header row) with one execution 
 - `trajectories` (optional, on every record or none): paths its tree kept after the role budget;
   replaces the simulator's K = min(budget, 1 + floor(d / tau)) when given.
 - accepted and ignored (what a real run's RUN_DIR/trace.jsonl also writes, docs/scheduling.md):
-  `exec_id`, `calls`, `tokens`, `dropped`, `version`, `reward`.
+  `exec_id`, `calls`, `tokens`, `dropped`, `version`, `reward`, `runner`.
 Launch times are not replayed: the schedule decides them; only durations are.
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 from gyre_ray.sim.workload import MAX_EXECUTIONS, WorkloadError
 
 _FIELDS = ("start", "end", "task", "step", "timed_out", "trajectories")
-_ACCEPTED = ("execution", "id", "exec_id", "calls", "tokens", "dropped", "version", "reward")
+_ACCEPTED = ("execution", "id", "exec_id", "calls", "tokens", "dropped", "version", "reward", "runner")
 
 
 def _time_value(value: Any, field: str, where: str) -> float:
