@@ -1,19 +1,27 @@
 """What the job closes to sandbox users before executions run: Ray's token, every task's hidden
-tests and the git repository holding them; and what it removes after one: anything the uid left."""
+tests and the git repository holding them; what it removes after one: anything the uid left; and
+the harnesses an executor that died left running."""
 
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from gyre_ray.agents.sandbox import (
+    acquire_identity,
     close_hidden_tests,
     job_workspaces,
+    kill_all,
+    own_uids,
     protect_job_folders,
     protect_ray_credentials,
+    reap_orphans,
+    reclaim,
 )
 from gyre_ray.agents.scratch import remove_scratch
 
@@ -100,3 +108,32 @@ def test_an_evaluation_rounds_launch_leaves_the_other_rounds_folders_as_they_wer
     assert stat.S_IMODE((run / "records").stat().st_mode) == 0o700
     assert stat.S_IMODE((run / "metrics.jsonl").stat().st_mode) & 0o077 == 0  # the job's files: closed
     assert stat.S_IMODE(run.stat().st_mode) == 0o711
+
+
+@pytest.mark.skipif(
+    not own_uids("auto") and os.environ.get("CI") != "true", reason="needs root and useradd for pool users"
+)
+def test_harnesses_a_dead_executor_left_running_are_ended_when_an_executor_starts() -> None:
+    """A slot's flock dies with the executor's process, its harness does not; `reap_orphans` (run as
+    an executor starts) ends it, and leaves alone the processes of a slot still held."""
+    dead, alive = acquire_identity("user"), acquire_identity("user")
+    orphan = _sleep_as(dead)
+    held = _sleep_as(alive)
+    try:
+        dead.release()  # its executor died: the flock went with it, the harness runs on
+        reaped = reap_orphans()
+        assert dead.name in reaped and alive.name not in reaped, reaped
+        assert orphan.wait(timeout=15) == -signal.SIGKILL
+        assert held.poll() is None  # its execution is alive
+    finally:
+        for identity, proc in ((dead, orphan), (alive, held)):
+            kill_all(identity, None)
+            proc.wait(timeout=15)
+        reclaim(dead)
+        reclaim(alive)
+
+
+def _sleep_as(identity) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["sleep", "300"], user=identity.uid, group=identity.gid, extra_groups=[], start_new_session=True
+    )

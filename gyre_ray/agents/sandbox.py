@@ -156,6 +156,52 @@ def acquire_identity(isolation: str) -> Identity:
     raise SandboxError("no free sandbox user slot")
 
 
+def reap_orphans() -> list[str]:
+    """End the processes of every pool user whose slot nobody holds; returns those users.
+
+    A slot's flock lives in the process that runs the execution (`workers` or a runner actor), and
+    goes with it when that process dies, while its harness, in a session of its own, runs on: its
+    calls are refused (its key revoked) but its tools go on using the node. Such a harness is ended
+    here (an executor calls this as it starts: after Ray restarts one) rather than when the slot is
+    next drawn. What the holder left in shared scratch folders stays until then (the slot is still
+    marked held), as that walk is slow. Nothing without root, or before the pool exists."""
+    if os.geteuid() != 0 or not LOCK_DIR.is_dir():
+        return []
+    running = _uids_with_processes()
+    reaped = []
+    for path in sorted(LOCK_DIR.glob("slot-*.lock")):
+        name = USER_PREFIX + path.name.removeprefix("slot-").removesuffix(".lock")
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        if entry.pw_uid not in running:
+            continue
+        fd = os.open(path, os.O_RDWR)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # held: its execution is alive
+            kill_all(Identity(entry.pw_uid, entry.pw_gid, name, dedicated=True), None)
+            reaped.append(name)
+        finally:
+            os.close(fd)  # (and with it the flock)
+    return reaped
+
+
+def _uids_with_processes() -> set[int]:
+    """The owners of the live processes (one read of /proc)."""
+    uids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                uids.add(os.stat(f"/proc/{entry}").st_uid)
+            except OSError:
+                continue
+    return uids
+
+
 def grant_traverse(path: Path, gid: int) -> None:
     """Let the pool group traverse (never list) every ancestor of `path` that blocks other users: an
     ancestor with no group or other access and owned by the job gets group `gid` with `g+x` only."""

@@ -7,23 +7,28 @@ reserved, threaded) runs each harness runner (it mostly waits on its subprocess 
 each group's processing (`gyre_ray.runtime.groups.process_group`, reading the store) in a thread of
 one long-lived process, with the tokenizer loaded once.
 
-It also remembers each execution's outcome (`outcome_of`): the actor is not the scheduler's (the
+It remembers each execution's outcome (`outcome_of`): the actor is not the scheduler's (the
 runtime starts it), so its harness threads go on when the scheduler actor dies, and the restarted
-scheduler collects what they return (`gyre_ray.runtime.reattach`).
+scheduler collects what they return (`gyre_ray.runtime.reattach`). As it starts, it ends the
+harnesses that a dead executor on its node left running (`reap_orphans`: their slots' flocks died
+with that process; they did not).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import ray
 
+from gyre_ray.agents.sandbox import reap_orphans
 from gyre_ray.runtime.groups import GroupResult, process_group
 from gyre_ray.runtime.runners import WORKERS_NAME
 
 __all__ = ["WORKERS_NAME", "RunWorkers"]
+log = logging.getLogger(__name__)
 OUTCOMES_KEPT = 100_000  # outcomes of ended executions remembered (a few hundred bytes each)
 
 
@@ -35,6 +40,13 @@ class RunWorkers:
         self._lock = threading.Lock()
         self._running: dict[str, threading.Event] = {}
         self._ended: OrderedDict[str, tuple[bool, Any]] = OrderedDict()  # id -> (raised, outcome or error)
+        try:  # harnesses a dead executor on this node left running (Ray restarting this one, say)
+            self.reaped = reap_orphans()
+        except Exception as exc:  # noqa: BLE001 - a start must not fail on it: the slot's next holder ends them
+            self.reaped = []
+            log.warning("could not end the harnesses a dead executor left: %s", exc)
+        if self.reaped:
+            log.warning("ended the harnesses a dead executor left running as %s", ", ".join(self.reaped))
 
     def node_ip(self) -> str:
         """The address of the node this actor runs on."""
