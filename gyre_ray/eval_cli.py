@@ -121,8 +121,6 @@ def evaluate(
     sets `<out>/records` there unless told another folder)."""
     from gyre_ray.evaluation import EvalRunner
     from gyre_ray.runtime.cluster import Runtime
-    from gyre_ray.runtime.runners import start_runners
-    from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -132,12 +130,8 @@ def evaluate(
     )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
     try:
-        runtime.workers = RunWorkers.options(
-            name=WORKERS_NAME, namespace=runtime.namespace, max_restarts=-1
-        ).remote()
-        if cfg.agents.runners:  # the round's executions on the agents' nodes, as in training
-            runtime.runners = start_runners(cfg.agents, runtime.namespace, None, timeout_s=300.0)
-        executors, base_url = runtime.agent_executors()
+        base_url = runtime.start_executors()  # the runners where set: on the agents' nodes, as in training
+        executors = runtime.runners or [runtime.workers]
         runner = EvalRunner(cfg, runtime.store, executors, base_url, out, execute)
         runner.start(step, step)
         rows = runner.finish(
