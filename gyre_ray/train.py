@@ -29,6 +29,7 @@ from gyre_ray.evaluation import format_eval, read_eval, reward_text, split_tasks
 from gyre_ray.observability.metrics import trend_window
 from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
 from gyre_ray.resume_checks import check_checkpoint_model, check_resume_settings, keep_config
+from gyre_ray.runtime.report import recovery_lines
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -393,6 +394,8 @@ def _run_segment(
             "eval": read_eval(run_dir),
             "core_restarts": restarts,
             "scheduler_restarts": result.get("scheduler_restarts", []),
+            "faults": result.get("faults", []),  # cells lost, groups processed again (docs/faults.md)
+            "runner_losses": result.get("runner_losses", []),  # executions started again
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         report = _write_report(run_dir)
@@ -565,6 +568,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  core restart {row['restart']}: {row['why']}; resumed from step {row['resumed_from_step']} "
             f"({row['steps_lost']} finished step(s) lost)"
         )
+    lines += [f"  {line}" for line in recovery_lines(summary)]
     costs = summary.get("costs")
     if costs:
         lines.append(

@@ -27,6 +27,7 @@ from local_ray import private_ray, toy_runtime
 
 from gyre_ray.runtime.cluster import Runtime
 from gyre_ray.runtime.journal import RunJournal
+from gyre_ray.runtime.report import recovery_lines
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +120,7 @@ def test_workers_actor_dies_mid_step(runtime) -> None:
     assert all(loss["relaunched_as"] == "r1." + loss["execution"] for loss in losses), losses
     check_nothing_lost(rt.folder, result, executions=4, calls=EXECUTOR.calls)
     assert {row["runner"] for row in result["trace"]} == {"workers"}
+    assert "4 execution(s) started again after their executor died (workers x4)" in recovery_lines(result)
     assert {row["exec_id"] for row in result["trace"]} == {loss["relaunched_as"] for loss in losses}
     assert len(result["steps"]) == 1 and result["steps"][0]["executions"] == 4
 

@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from gyre_ray.runtime.report import COST_KEYS, overlap_seconds, staleness_summary, utilisation, write_costs
+from gyre_ray.runtime.report import (
+    COST_KEYS,
+    overlap_seconds,
+    recovery_lines,
+    staleness_summary,
+    utilisation,
+    write_costs,
+)
 from gyre_ray.scheduling.config import SchedulerSection
 from gyre_ray.scheduling.elastic import ElasticPolicy
 from gyre_ray.scheduling.runtime import (
@@ -246,3 +253,27 @@ def test_the_runs_fit_reads_the_latest_tasks_and_says_why_it_cannot_fit_yet() ->
         many.launch(e, 0, now=0.0)
         many.end(e, ran_s=60.0 + e)
     assert fit_ended_durations(many, limit=12).tasks == 3  # the last three tasks' 12 executions
+
+
+def test_what_a_run_recovered_from_is_one_line_per_kind() -> None:
+    assert recovery_lines({"faults": [], "runner_losses": [], "scheduler_restarts": []}) == []
+    summary = {
+        "faults": [
+            {"cell": "cell-1", "lost": "ActorDiedError"},
+            {"cell": "cell-1", "lost": "ActorDiedError"},
+            {"cell": "cell-2", "lost": "ActorDiedError"},
+            {"actor": "workers", "group_processed_again": "s3-vowels"},
+        ],
+        "runner_losses": [
+            {"runner": None, "actor": "workers"},
+            {"runner": 1, "actor": "runner-1"},
+            {"runner": 1},  # journaled before losses named the actor
+        ],
+        "scheduler_restarts": [{"executions_reattached": 3, "executions_relaunched": 1}],
+    }
+    assert recovery_lines(summary) == [
+        "cells lost and restarted: cell-1 x2, cell-2 x1",
+        "3 execution(s) started again after their executor died (runner-1 x2, workers x1)",
+        "1 group(s) processed again after `workers` died: s3-vowels",
+        "scheduler actor restarted 1 time(s): 3 execution(s) reattached, 1 started again",
+    ]

@@ -3,13 +3,16 @@
 Pure functions over plain data (tested without Ray). The files follow the contract the simulator
 reads (`gyre-ray simulate --trace RUN_DIR`, docs/scheduling.md):
 - `RUN_DIR/trace.jsonl`: one object per execution: start, end (seconds since the run started), task,
-  step, timed_out, exec_id, calls, tokens, trajectories, dropped, version, reward (null when dropped).
+  step, timed_out, exec_id, calls, tokens, trajectories, dropped, version, reward (null when dropped),
+  runner (the actor that ran it).
 - `RUN_DIR/costs.json`: the run's measured costs (`COST_KEYS`).
+And, for people, what the run recovered from (`recovery_lines`).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -101,3 +104,34 @@ def utilisation(
     for share in shares.values():
         share["idle"] = max(0.0, 1.0 - share["rollout"] - share["training"] - share["switching"])
     return {cell: {k: round(v, 4) for k, v in share.items()} for cell, share in sorted(shares.items())}
+
+
+def recovery_lines(summary: Mapping[str, Any]) -> list[str]:
+    """What a run recovered from, one line per kind (none for a run without faults): cells lost and
+    restarted, executions started again after their executor died, groups processed again, scheduler
+    actor restarts. `summary` holds the run result's `faults`, `runner_losses`, `scheduler_restarts`."""
+    lines = []
+    faults = summary.get("faults") or []
+    cells = Counter(f["cell"] for f in faults if "cell" in f)
+    if cells:
+        lines.append("cells lost and restarted: " + ", ".join(f"{c} x{n}" for c, n in sorted(cells.items())))
+    losses = summary.get("runner_losses") or []
+    if losses:
+        actors = Counter(loss.get("actor") or f"runner-{loss['runner']}" for loss in losses)
+        lines.append(
+            f"{len(losses)} execution(s) started again after their executor died ("
+            + ", ".join(f"{a} x{n}" for a, n in sorted(actors.items()))
+            + ")"
+        )
+    groups = [f["group_processed_again"] for f in faults if "group_processed_again" in f]
+    if groups:
+        lines.append(f"{len(groups)} group(s) processed again after `workers` died: {', '.join(groups)}")
+    restarts = summary.get("scheduler_restarts") or []
+    if restarts:
+        reattached = sum(r.get("executions_reattached", 0) for r in restarts)
+        again = sum(r.get("executions_relaunched", 0) for r in restarts)
+        lines.append(
+            f"scheduler actor restarted {len(restarts)} time(s): {reattached} execution(s) reattached, "
+            f"{again} started again"
+        )
+    return lines
