@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gyre_ray.envs.toy import read_answer
-from gyre_ray.envs.untrusted import UntrustedFileError, read_untrusted, write_fresh
+from gyre_ray.envs.untrusted import UntrustedFileError, read_untrusted, remove_entries, write_fresh
 
 
 def test_read_untrusted_reads_regular_files_up_to_the_limit(tmp_path: Path) -> None:
@@ -56,3 +56,21 @@ def test_a_linked_answer_scores_zero_without_reading_the_target(tmp_path: Path) 
     (workspace / "answer.txt").unlink()
     (workspace / "answer.txt").write_text("x" * (2 << 20))
     assert read_answer(workspace) == "x" * (1 << 20)  # at most MAX_ANSWER_BYTES are read
+
+
+def test_removing_an_agents_leftovers_never_follows_a_link(tmp_path: Path) -> None:
+    kept = tmp_path / "job"
+    kept.mkdir()
+    (kept / "secret").write_text("x")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "tree/deep").mkdir(parents=True)
+    (work / "tree/deep/file").write_text("x")
+    (work / "tree/link").symlink_to(kept)
+    (work / "link").symlink_to(kept)
+    os.mkfifo(work / "fifo")
+    (work / "file").write_text("x")
+    names = ("tree", "link", "fifo", "file", "missing")
+    remove_entries(*(work / name for name in names))
+    assert list(work.iterdir()) == []
+    assert (kept / "secret").read_text() == "x"  # what the links pointed at is untouched

@@ -16,7 +16,6 @@ with its reason, never an exception:
 from __future__ import annotations
 
 import re
-import shutil
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from gyre_ray.agents.sandbox import (
 )
 from gyre_ray.agents.supervise import Finished, supervise
 from gyre_ray.envs.base import EvalContext, EvalResult, Task, evaluate_with_retries
+from gyre_ray.envs.untrusted import remove_entries
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,6 @@ class _Options:
 START_FAILURE = re.compile(r"gyre-ray: cannot start ('[^'\n]*'|\"[^\"\n]*\"): ([^\n]*)")
 
 
-def clear_stale(*paths: Path) -> None:
-    """Remove what an earlier run left at `paths` (a rerun of `gyre-ray eval --out DIR` reuses its
-    execution folders): the job seeds and writes them as root, and must not write through a link that
-    run's agent planted. Links are removed, never followed (`shutil.rmtree` works by file descriptor)."""
-    for path in paths:
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.exists():
-            shutil.rmtree(path)
-
-
 def run_execution(
     execution_id: str,
     task: Task,
@@ -155,9 +144,9 @@ def _run(
     home, tmp = workspace.parent / f"{workspace.name}.home", workspace.parent / f"{workspace.name}.tmp"
     scratch = workspace.parent / f"{workspace.name}.eval"
     log_path = workspace.parent / f"{workspace.name}.log"
-    clear_stale(
-        workspace, home, tmp, scratch, log_path
-    )  # the job writes there as root: nothing of a run before
+    # what an earlier run left (a rerun of `gyre-ray eval --out DIR` reuses the folders), never through
+    # a link its agent planted: the job seeds and writes them as root
+    remove_entries(workspace, home, tmp, scratch, log_path)
     task.seed_workspace(workspace)
     for rel, text in opts.home_files.items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)

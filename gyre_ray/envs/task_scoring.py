@@ -19,7 +19,7 @@ from string import Formatter
 from typing import Any
 
 from gyre_ray.envs.base import EvalContext, EvalResult
-from gyre_ray.envs.untrusted import UntrustedFileError, read_untrusted, write_fresh
+from gyre_ray.envs.untrusted import UntrustedFileError, read_untrusted, remove_entries, write_fresh
 
 SCORES = ("pytest", "json", "exit-code")
 MAX_REPORT_BYTES = 64 << 20  # a JUnit report of tens of thousands of tests; the rest is not read
@@ -124,12 +124,7 @@ class CommandEvaluator:
 
     def __call__(self, workspace: Path, ctx: EvalContext) -> EvalResult:
         scratch = ctx.scratch
-        for stale in ("hidden", "report.xml", "evaluator.log", "pytest.ini"):  # never through a link
-            target = scratch / stale
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink(missing_ok=True)
+        remove_entries(*(scratch / name for name in ("hidden", "report.xml", "evaluator.log", "pytest.ini")))
         if self.hidden is not None:  # the source may be closed to the sandbox (make_private): open the copy
             shutil.copytree(self.hidden, scratch / "hidden")
             for dirpath, _dirs, filenames in os.walk(scratch / "hidden"):

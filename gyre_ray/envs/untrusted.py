@@ -10,6 +10,7 @@ removing whatever entry had its name.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -64,3 +65,13 @@ def write_fresh(path: Path, text: str, mode: int = 0o644) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
+
+
+def remove_entries(*paths: Path) -> None:
+    """Remove whatever is at `paths` (a file, a link, a FIFO, a folder tree; nothing is fine), never
+    following a link: a link is removed itself, and `shutil.rmtree` works by file descriptor."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
