@@ -30,8 +30,10 @@ from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recorder import trace_row
 from gyre_ray.runtime.runners import executor_name
 
-_TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
-_EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
+# execution ids s<step>-<task>-<i> (records, workspaces), and r<n>.s<step>-... once started again
+# (`gyre_ray.runtime.runners.relaunch_id`)
+_TRAIN_ID = re.compile(r"^(?:r\d+\.)?s(\d+)-")
+_EVAL_ID = re.compile(r"^(?:r\d+\.)?eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ folders
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -91,9 +91,12 @@ def test_prepare_resume_sets_aside_what_came_after_the_checkpoint(tmp_path: Path
         "s10-vowels-1",
         "eval2-greeting-0",
         "eval1-greeting-0",
+        "r1.s2-digits-0",  # started again after its executor died (runtime.runners.relaunch_id)
+        "r2.eval2-greeting-1",
+        "r1.s1-digits-1",
     ):
         (tmp_path / "records" / f"{name}.jsonl").write_text("{}\n")
-    for name in ("s1-digits-0", "s2-vowels-0", "s2-vowels-0.home", "eval-1", "eval-2"):
+    for name in ("s1-digits-0", "s2-vowels-0", "s2-vowels-0.home", "eval-1", "eval-2", "r1.s2-digits-0"):
         (tmp_path / "workspaces" / name).mkdir()
     _jsonl(tmp_path / "metrics.jsonl", [{"step": s} for s in range(4)])
     _jsonl(tmp_path / "eval.jsonl", [{"step": 0}, {"step": 1}, {"step": 3}])  # step 2's round never ended
@@ -102,9 +105,10 @@ def test_prepare_resume_sets_aside_what_came_after_the_checkpoint(tmp_path: Path
         [{"step": 1, "start": 0.0, "end": 1.0}, {"step": 2, "start": 1.0, "end": 2.0}],
     )
     moved = prepare_resume(tmp_path, 2)
-    assert moved["moved"] == 6
+    assert moved["moved"] == 9
     assert sorted(p.stem for p in (tmp_path / "records").iterdir()) == [
         "eval1-greeting-0",
+        "r1.s1-digits-1",
         "s0-vowels-0",
         "s1-digits-0",
     ]
