@@ -121,10 +121,9 @@ def test_harnesses_a_dead_executor_left_running_are_ended_when_an_executor_start
     held = _sleep_as(alive)
     try:
         dead.release()  # its executor died: the flock went with it, the harness runs on
-        reaped = reap_orphans()
-        assert dead.name in reaped and alive.name not in reaped, reaped
+        reaped = reap_orphans()  # (an executor starting in a parallel test may reap it first)
         assert orphan.wait(timeout=15) == -signal.SIGKILL
-        assert held.poll() is None  # its execution is alive
+        assert alive.name not in reaped and held.poll() is None  # its execution is alive
     finally:
         for identity, proc in ((dead, orphan), (alive, held)):
             kill_all(identity, None)
