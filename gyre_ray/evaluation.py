@@ -181,7 +181,8 @@ class EvalRunner:
 
         if step in self.done_steps or any(r.step == step for r in self.rounds):
             return False
-        items = plan_round(self.tasks, self.cfg.run.eval_samples, step, self.run_dir / "workspaces", self.tag)
+        workspaces = self.cfg.agents.workspaces_dir(self.run_dir)
+        items = plan_round(self.tasks, self.cfg.run.eval_samples, step, workspaces, self.tag)
         keys = ray.get(
             [self.store.register.remote(i.execution_id, {"task_id": i.task_id, "eval": True}) for i in items],
             timeout=60,
@@ -256,6 +257,7 @@ class EvalRunner:
                     continue
                 outcomes = ray.get(rnd.refs)
                 row = summarize(rnd.step, outcomes, self.cfg.run.eval_pass_threshold, rnd.version, version)
+                self.run_dir.mkdir(parents=True, exist_ok=True)  # (the workspaces may be elsewhere)
                 with open(self.run_dir / EVAL_FILE, "a") as handle:
                     handle.write(json.dumps(row) + "\n")
                 self.rounds.remove(rnd)

@@ -97,6 +97,12 @@ def test_rayjob_entrypoint_runs_the_job_with_a_valid_config() -> None:
     offered = json.loads(json.loads(agents["rayStartParams"]["resources"]))  # KubeRay's quoted JSON string
     assert offered == cfg.agents.runner_resources
     assert "nvidia.com/gpu" not in agents["template"]["spec"]["containers"][0]["resources"]["limits"]
+    pod = agents["template"]["spec"]
+    local = {v["name"] for v in pod["volumes"] if "emptyDir" in v}  # the workspaces on the pod's own disk
+    assert any(
+        m["name"] in local and cfg.agents.workspace_root.startswith(m["mountPath"])
+        for m in pod["containers"][0]["volumeMounts"]
+    ), (cfg.agents.workspace_root, pod["containers"][0]["volumeMounts"])
     assert cfg.proxy.host == "0.0.0.0"  # the agents' pods reach the head's proxy over the network
 
 

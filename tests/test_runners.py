@@ -4,6 +4,8 @@ execution's runner for a restarted scheduler. The multi-node run is `test_runner
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gyre_ray.config import ConfigError, load_config
@@ -115,3 +117,12 @@ def test_an_executions_starts_are_read_from_its_id_and_bounded() -> None:
         ExecutorLostError, match=rf"r{MAX_STARTS - 1}.s0-a-0 lost its executor \(workers\) {MAX_STARTS} times"
     ):
         Scheduler()._runner_lost(run)
+
+
+def test_workspaces_go_under_the_run_folder_or_a_node_local_root(tmp_path) -> None:
+    cfg = load_config("jobs/configs/toy.yaml")
+    assert cfg.agents.workspaces_dir("/runs/toy-1") == Path("/runs/toy-1/workspaces")
+    local = load_config("jobs/configs/toy.yaml", ["agents.workspace_root=/var/lib/gyre"])
+    assert local.agents.workspaces_dir("/runs/toy-1") == Path("/var/lib/gyre/toy-1/workspaces")
+    with pytest.raises(ConfigError, match="agents.workspace_root: .*must be an absolute path"):
+        load_config("jobs/configs/toy.yaml", ["agents.workspace_root=scratch/ws"])

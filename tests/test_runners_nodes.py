@@ -11,6 +11,7 @@ the other. Runners that no node can take are refused by name.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -59,7 +60,11 @@ def test_runners_no_node_can_take_are_refused_by_name(cluster, tmp_path) -> None
 @pytest.fixture(scope="module")
 def runtime(cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("runners")
-    cfg = load_config("jobs/configs/toy.yaml", [*OVERRIDES, f"proxy.records_dir={folder / 'records'}"])
+    local = tmp_path_factory.mktemp("node-local")  # each agent node's own disk (one machine here)
+    cfg = load_config(
+        "jobs/configs/toy.yaml",
+        [*OVERRIDES, f"proxy.records_dir={folder / 'records'}", f"agents.workspace_root={local}"],
+    )
     rt = Runtime.start(cfg, scheduler_options={"run_dir": str(folder), "execute": EXECUTOR}, timeout_s=600)
     rt.folder = folder
     yield rt
@@ -78,6 +83,17 @@ def test_executions_run_on_the_agent_nodes_dealt_out_over_the_runners(cluster, r
     check_nothing_lost(runtime.folder, result, executions=4, calls=EXECUTOR.calls)
     journal = RunJournal.read(runtime.folder)
     assert journal is not None and sorted(journal.runners.values()) == [0, 0, 1, 1], journal.runners
+    assert sorted(row["runner"] for row in result["trace"]) == [
+        "runner-0",
+        "runner-0",
+        "runner-1",
+        "runner-1",
+    ]
+    # the workspaces are on the agent nodes' own disk (agents.workspace_root), not in the run folder
+    workspaces = runtime.config.agents.workspaces_dir(runtime.folder)
+    assert workspaces.parent.parent == Path(runtime.config.agents.workspace_root)
+    assert {row["exec_id"] for row in result["trace"]} <= {p.name for p in workspaces.iterdir()}
+    assert not (runtime.folder / "workspaces").exists()
 
 
 def test_a_restarted_scheduler_collects_outcomes_from_each_executions_runner(runtime) -> None:
@@ -126,3 +142,5 @@ def test_an_evaluation_round_runs_on_the_runners(runtime) -> None:
     (row,) = evaluator.finish(0, timeout_s=600)
     assert row["executions"] == len(evaluator.tasks) * cfg.run.eval_samples >= 2
     assert row["valid"] == row["executions"], row
+    rounds = Path(cfg.agents.workspace_root) / "eval" / "workspaces" / "eval-0"  # on the nodes' own disk
+    assert len(list(rounds.iterdir())) == row["executions"]

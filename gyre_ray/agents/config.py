@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from gyre_ray.configbase import Section
 
 NAMED_TASK_SETS = ("toy", "words", "nl2repo-mini", "longtail")
+WORKSPACES_DIR = "workspaces"  # <run>/workspaces/<execution>, or <run>/workspaces/eval-<step>/<execution>
 
 
 class AgentSection(Section):
@@ -57,6 +58,13 @@ class AgentSection(Section):
         description="Ray resources each runner actor takes, e.g. {agents: 1} to put one on each node started "
         "with --resources '{\"agents\": 1}' (empty: any node).",
     )
+    workspace_root: str | None = Field(
+        None,
+        description="An absolute folder on every node that runs executions (say a node-local disk) under "
+        "which a run's workspaces go, as <workspace_root>/<run folder name>/workspaces/<id>; null: "
+        "<run folder>/workspaces. Builds and test runs then use the node's own disk, not the run folder's "
+        "shared volume (docs/cluster.md).",
+    )
     isolation: Literal["auto", "user", "none"] = Field(
         "auto",
         description="user: each execution runs as an unprivileged uid of its own (needs root); none: as the "
@@ -102,6 +110,21 @@ class AgentSection(Section):
                 raise ValueError("a resource name is empty")
             if not amount > 0:  # (NaN too)
                 raise ValueError(f"resource {name!r}: the amount must be > 0, got {amount}")
+        return value
+
+    def workspaces_dir(self, run_dir: str | Path) -> Path:
+        """Where the executions of the run in `run_dir` get their workspaces (`workspace_root`)."""
+        run_dir = Path(run_dir)
+        base = run_dir if self.workspace_root is None else Path(self.workspace_root) / run_dir.name
+        return base / WORKSPACES_DIR
+
+    @field_validator("workspace_root")
+    @classmethod
+    def _workspace_root(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_absolute():
+            raise ValueError(
+                f"must be an absolute path (it names a folder on every agent node), got {value!r}"
+            )
         return value
 
     @field_validator("command")

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gyre_ray.agents import limits as limits_module
+from gyre_ray.agents.config import WORKSPACES_DIR
 from gyre_ray.agents.scratch import allocated, remove_ipc, remove_scratch, tree_entries
 
 USER_PREFIX = "gyre-exec-"
@@ -501,9 +502,6 @@ def protect_ray_credentials(home: Path | None = None) -> None:
                 make_private(path)
         except OSError:
             continue
-
-
-WORKSPACES_DIR = "workspaces"  # <run>/workspaces/<execution>, or <run>/workspaces/eval-<step>/<execution>
 
 
 def job_workspaces(workspace: Path) -> Path:

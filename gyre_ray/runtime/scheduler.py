@@ -360,7 +360,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         cfg = self.cfg
         ref = self._executor(runner).execute.remote(
             self.execute, item.execution_id, cfg.agents.task_set, item.task.task_id,
-            Endpoint(self.base_url, api_key), str(self.run_dir / "workspaces" / item.execution_id),
+            Endpoint(self.base_url, api_key), str(cfg.agents.workspaces_dir(self.run_dir) / item.execution_id),
             cfg.agents.model_dump(), run_seed=cfg.run.seed,
         )  # fmt: skip
         return ref, runner
