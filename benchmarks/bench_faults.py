@@ -12,10 +12,12 @@ the same tokens), a 429/503 retried after its Retry-After as Claude Code or Code
 The job runs fault-free, then with an injector that every `--gap-s` seconds (uniform, seeded) kills
 one of: a rollout cell (a non-core cell while it serves), a satellite (a non-core cell while it
 trains), the core (the run restarts from its newest checkpoint by itself), the record store, a
-proxy replica, the scheduler actor (`ray.kill`; Ray restarts the actors that should be, Serve the
-replica); then fault-free again (the overhead is taken against the mean of the two).
+proxy replica, the scheduler actor, the `workers` actor that runs the harnesses (`ray.kill`; Ray
+restarts the actors that should be, Serve the replica; `--kinds` picks among them); then fault-free
+again (the overhead is taken against the mean of the two).
 
-Reported per run: executions lost (an execution of the plan with no outcome of all its calls),
+Reported per run: executions lost (an execution of the plan whose last start, `r<n>.<id>` after its
+executor died, has no outcome of all its calls), executions started again,
 records lost (calls a harness got a 200 for with no record in the store), records with a call the
 harness never saw answered, steps completed and lost, wall time; for the chaos run, whether every
 record has the fault-free run's tokens, the weight gap to the fault-free run after every step
@@ -39,7 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-KINDS = ("rollout_cell", "satellite", "core", "store", "replica", "scheduler")
+KINDS = ("rollout_cell", "satellite", "core", "store", "replica", "scheduler", "workers")
+DEFAULT_KINDS = KINDS[:6]  # the runs committed before `workers` could die without ending the run
 CALLS = 4
 
 
@@ -56,15 +59,23 @@ def job_overrides(steps: int, name: str, root: Path) -> list[str]:
 class Injector(threading.Thread):
     """Kills one thing every `gap` seconds (seeded) in the run named `name` until `stop`."""
 
-    def __init__(self, name: str, seed: int, gap: tuple[float, float], faults: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        seed: int,
+        gap: tuple[float, float],
+        faults: int,
+        kinds: tuple[str, ...] = DEFAULT_KINDS,
+    ) -> None:
         super().__init__(daemon=True)
         self.name, self.rng, self.gap, self.faults = name, random.Random(seed), gap, faults
+        self.kinds = kinds
         self.stop = threading.Event()
         self.events: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
 
     def run(self) -> None:
-        kinds = [KINDS[i % len(KINDS)] for i in range(self.faults)]
+        kinds = [self.kinds[i % len(self.kinds)] for i in range(self.faults)]
         self.rng.shuffle(kinds)
         for kind in kinds:
             if self.stop.wait(self.rng.uniform(*self.gap)):
@@ -125,7 +136,7 @@ class Injector(threading.Thread):
         if kind == "core":
             ray.kill(ray.get_actor("cell-0", namespace=ns))
             return "cell-0"
-        if kind in ("store", "scheduler"):
+        if kind in ("store", "scheduler", "workers"):
             ray.kill(ray.get_actor(kind, namespace=ns), no_restart=False)
             return kind
         names = sorted(
@@ -171,12 +182,27 @@ def run_job(steps: int, name: str, root: Path, injector: Injector | None) -> tup
     return run_dir, figures
 
 
+def last_starts(run_dir: Path) -> dict[str, str]:
+    """Each planned execution's id -> the id of its last start (`r<n>.<id>` once its executor died)."""
+    from gyre_ray.runtime.runners import planned_id, starts_of
+
+    last: dict[str, str] = {}
+    for path in (run_dir / "workspaces").iterdir():
+        plan = planned_id(path.name)
+        if not (path.is_dir() and plan.startswith("s") and "." not in plan):  # (<id>.home, .tmp, .eval)
+            continue
+        if plan not in last or starts_of(path.name) > starts_of(last[plan]):
+            last[plan] = path.name
+    return last
+
+
 def losses(run_dir: Path, planned: int) -> dict[str, int]:
     """Executions lost (of `planned`), records lost and records whose answer the harness never saw,
-    from the folder."""
+    from the folder (each execution's last start)."""
     from gyre_ray.trajectory.records import read_jsonl
 
-    ids = sorted(p.name for p in (run_dir / "workspaces").iterdir() if p.name.startswith("s"))
+    last = last_starts(run_dir)
+    ids = sorted(last.values())
     lost = records_lost = unanswered = 0
     for exec_id in ids:
         counted = run_dir / "workspaces" / exec_id / "counted.json"
@@ -188,6 +214,7 @@ def losses(run_dir: Path, planned: int) -> dict[str, int]:
         unanswered += max(0, records - answered)
     return {
         "executions": len(ids),
+        "executions_started_again": sum(1 for plan, exec_id in last.items() if exec_id != plan),
         "executions_lost": lost + max(0, planned - len(ids)),
         "records_lost": records_lost,
         "records_unanswered": unanswered,
@@ -200,9 +227,10 @@ def same_tokens(run_dir: Path, reference: Path) -> dict[str, int]:
     from gyre_ray.trajectory.records import read_jsonl
 
     same = total = 0
+    last = last_starts(run_dir)
     for path in sorted((reference / "records").glob("s*.jsonl")):
         want = [(r.input_ids, r.output_ids) for r in read_jsonl(path)]
-        got_path = run_dir / "records" / path.name
+        got_path = run_dir / "records" / f"{last.get(path.stem, path.stem)}.jsonl"
         got = [(r.input_ids, r.output_ids) for r in read_jsonl(got_path)] if got_path.exists() else []
         total += len(want)
         same += sum(1 for g in got if g in want)
@@ -240,8 +268,14 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gap-s", type=float, nargs=2, default=(4.0, 8.0))
+    parser.add_argument(
+        "--kinds", default=",".join(DEFAULT_KINDS), help=f"faults to draw from, of {','.join(KINDS)}"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults_cpu2.json"))
     args = parser.parse_args()
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(KINDS):
+        parser.error(f"--kinds: give some of {','.join(KINDS)}, got {args.kinds!r}")
 
     import ray
     from fault_workload import ship_by_value
@@ -254,7 +288,7 @@ def main() -> int:
     try:
         clean_dir, clean = run_job(args.steps, "faults-clean", root, None)
         print("fault-free", json.dumps(clean), flush=True)
-        injector = Injector("faults-chaos", args.seed, tuple(args.gap_s), args.faults)
+        injector = Injector("faults-chaos", args.seed, tuple(args.gap_s), args.faults, kinds)
         chaos_dir, chaos = run_job(args.steps, "faults-chaos", root, injector)
         chaos.update(same_tokens(chaos_dir, clean_dir))
         chaos["weight_gaps"] = weight_gaps(chaos_dir, clean_dir, args.steps)

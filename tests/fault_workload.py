@@ -43,6 +43,7 @@ class CountingExecutor:
     deadline_s: float = 300.0
     stream: bool = True  # streamed calls: tokens reach the proxy as generated (a dead cell's are kept)
     seed: int | None = None  # seeded sampling: call j of an execution sends seed + 1000 * crc32(id) + j, so
+    # (id: the planned one, so an execution started again after its executor died draws the same tokens)
     # two runs of the same job draw the same tokens (what a fault-free vs faulty comparison needs)
 
     def __call__(
@@ -58,6 +59,7 @@ class CountingExecutor:
         import httpx
 
         from gyre_ray.agents.runner import ExecutionOutcome
+        from gyre_ray.runtime.runners import planned_id
 
         Path(workspace).mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
@@ -67,7 +69,8 @@ class CountingExecutor:
         ]
         headers = {"Authorization": f"Bearer {endpoint.api_key}"}
         ok = retried = 0
-        seed = None if self.seed is None else self.seed + zlib.crc32(execution_id.encode()) * 1000
+        planned = planned_id(execution_id)
+        seed = None if self.seed is None else self.seed + zlib.crc32(planned.encode()) * 1000
         with httpx.Client(base_url=endpoint.base_url, headers=headers, timeout=120.0) as client:
             for _ in range(self.calls):
                 while True:

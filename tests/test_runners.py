@@ -16,6 +16,7 @@ from gyre_ray.runtime.runners import (
     RunnerRecovery,
     executor_name,
     least_loaded,
+    planned_id,
     relaunch_id,
     runner_base_url,
     runner_name,
@@ -108,6 +109,11 @@ def test_an_executions_starts_are_read_from_its_id_and_bounded() -> None:
         1,
     ]
     assert executor_name(None) == "workers" and executor_name(2) == "runner-2"
+    assert [planned_id(i) for i in ("s0-a-0", "r1.s0-a-0", "r12.elastic.s0-a-0")] == [
+        "s0-a-0",
+        "s0-a-0",
+        "elastic.s0-a-0",
+    ]
 
     class Scheduler(RunnerRecovery):  # only what `_runner_lost` reads before it refuses
         planned = [type("Item", (), {"execution_id": f"r{MAX_STARTS - 1}.s0-a-0"})()]

@@ -89,6 +89,11 @@ def relaunch_id(execution_id: str) -> str:
     return f"r{int(match.group(1)) + 1}.{match.group(2)}" if match else f"r1.{execution_id}"
 
 
+def planned_id(execution_id: str) -> str:
+    """The id a planned execution had before it was started again (`r2.<id>`: `<id>`)."""
+    return re.sub(r"^r\d+\.", "", execution_id)
+
+
 MAX_STARTS = 5  # starts of one planned execution (its first and each after its executor died)
 
 
