@@ -130,8 +130,9 @@ def evaluate(
     )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
     try:
-        base_url = runtime.start_executors()  # the runners where set: on the agents' nodes, as in training
-        executors = runtime.runners or [runtime.workers]
+        executors, base_url = (
+            runtime.start_executors()
+        )  # the runners where set: the agents' nodes, as in training
         runner = EvalRunner(cfg, runtime.store, executors, base_url, out, execute)
         runner.start(step, step)
         rows = runner.finish(

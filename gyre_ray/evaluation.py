@@ -154,7 +154,7 @@ class EvalRunner:
         self,
         cfg: GyreConfig,
         store: Any,
-        executors: Any | list[Any],
+        executors: list[Any],
         base_url: str,
         run_dir: str | Path,
         execute: Any = None,
@@ -168,7 +168,8 @@ class EvalRunner:
             raise ValueError("no held-out tasks to evaluate (run.eval_every is 0)")
         self.task_set = eval_task_set_name(cfg)
         self.store, self.base_url = store, base_url
-        self.executors = list(executors) if isinstance(executors, list) else [executors]
+        self.executors = list(executors)
+        self.agents = cfg.agents.model_dump()  # what each execution's harness runner is handed
         self.run_dir = Path(run_dir)
         self.execute = execute or run_planned_execution
         self.tag = tag
@@ -197,21 +198,13 @@ class EvalRunner:
 
         return self.executors[executor].execute.remote(
             self.execute, item.execution_id, self.task_set, item.task_id, Endpoint(self.base_url, api_key),
-            str(item.workspace), self.cfg.agents.model_dump(), run_seed=self.cfg.run.seed,
+            str(item.workspace), self.agents, run_seed=self.cfg.run.seed,
         )  # fmt: skip
 
     def _start_lost_again(self, rnd: _Round) -> None:
         """Executions of `rnd` whose executor died under them, started again on the next executor."""
         import ray
         from ray.exceptions import RayActorError
-
-        from gyre_ray.runtime.runners import (
-            MAX_STARTS,
-            ExecutorLostError,
-            relaunch_id,
-            starts_of,
-            wait_until_answering,
-        )
 
         waiting = [ref for ref in rnd.refs if ref not in rnd.ended]
         ready = set(ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]) if waiting else set()
@@ -221,28 +214,27 @@ class EvalRunner:
             try:
                 ray.get(ref, timeout=0)
             except RayActorError:
-                item = rnd.items[index]
-                if starts_of(item.execution_id) >= MAX_STARTS:
-                    raise ExecutorLostError(
-                        f"evaluation execution {item.execution_id} lost its executor {MAX_STARTS} times"
-                    ) from None
-                self.store.finish_execution.remote(item.execution_id)  # its key revoked
-                again = EvalItem(
-                    relaunch_id(item.execution_id),
-                    item.task_id,
-                    item.workspace.with_name(relaunch_id(item.workspace.name)),
-                )
-                meta = {"task_id": item.task_id, "eval": True, "relaunch_of": item.execution_id}
-                key = ray.get(self.store.register.remote(again.execution_id, meta), timeout=60)["api_key"]
-                rnd.executor[index] = (rnd.executor[index] + 1) % len(self.executors)
-                wait_until_answering(
-                    self.executors[rnd.executor[index]], f"evaluation executor {rnd.executor[index]}"
-                )
-                rnd.items[index], rnd.refs[index] = again, self._execute(again, key, rnd.executor[index])
+                self._start_again(rnd, index)
                 continue
             except Exception:  # noqa: BLE001 - the execution's own error: raised when the round is read
                 pass
             rnd.ended.add(ref)
+
+    def _start_again(self, rnd: _Round, index: int) -> None:
+        """Item `index` of `rnd` again, on the next executor, in a fresh workspace with the same seed."""
+        from gyre_ray.runtime.runners import check_starts, register_again, relaunch_id, wait_until_answering
+
+        item, executor = rnd.items[index], (rnd.executor[index] + 1) % len(self.executors)
+        check_starts(item.execution_id, f"evaluation executor {rnd.executor[index]}")
+        again_id, key = register_again(self.store, item.execution_id, {"task_id": item.task_id, "eval": True})
+        workspace = item.workspace.with_name(relaunch_id(item.workspace.name))  # (the same seed)
+        again = EvalItem(again_id, item.task_id, workspace)
+        wait_until_answering(self.executors[executor], f"evaluation executor {executor}")
+        rnd.items[index], rnd.refs[index], rnd.executor[index] = (
+            again,
+            self._execute(again, key, executor),
+            executor,
+        )
 
     def poll(self, version: int, timeout_s: float = 0.0) -> list[dict[str, Any]]:
         """Rows of the rounds that have ended (waiting up to `timeout_s` for them), appended to eval.jsonl."""

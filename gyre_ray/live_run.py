@@ -90,8 +90,7 @@ def attach(cfg: GyreConfig, run_dir: Path) -> LiveRun:
 
     from gyre_ray.proxy.launch import ProxyHandle
     from gyre_ray.runtime.cluster import SCHEDULER_NAME, STORE_NAME, Runtime, connect_ray
-    from gyre_ray.runtime.runners import runner_name
-    from gyre_ray.runtime.workers import WORKERS_NAME
+    from gyre_ray.runtime.runners import WORKERS_NAME, runner_name
 
     info = read(run_dir)
     resume = f"`gyre-ray train --resume {run_dir}` continues it from its newest checkpoint"

@@ -28,12 +28,10 @@ from gyre_ray.observability.metrics import WANDB_PENDING_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recorder import trace_row
-from gyre_ray.runtime.runners import executor_name
+from gyre_ray.runtime.runners import executor_name, planned_id
 
-# execution ids s<step>-<task>-<i> (records, workspaces), and r<n>.s<step>-... once started again
-# (`gyre_ray.runtime.runners.relaunch_id`)
-_TRAIN_ID = re.compile(r"^(?:r\d+\.)?s(\d+)-")
-_EVAL_ID = re.compile(r"^(?:r\d+\.)?eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ folders
+_TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
+_EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -58,6 +56,7 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
     aside = run_dir / "abandoned" / time.strftime("%Y%m%d-%H%M%S")
 
     def after(name: str) -> bool:
+        name = planned_id(name)  # (r1.<id>: started again after its executor died)
         if m := _TRAIN_ID.match(name):
             return int(m.group(1)) >= first_step
         if m := _EVAL_ID.match(name):

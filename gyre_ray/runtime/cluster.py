@@ -292,12 +292,12 @@ class Runtime:
             raise
         return runtime
 
-    def start_executors(self, timeout_s: float = 300.0) -> str:
+    def start_executors(self, timeout_s: float = 300.0) -> tuple[list[Any], str]:
         """Start where executions run: `workers` on the control node (also the run's group processing)
         and the `agents.runners` runner actors, each restarted by Ray if it dies (its executions then
-        start again: `gyre_ray.runtime.runners`); returns the proxy URL their harnesses call."""
-        from gyre_ray.runtime.runners import start_runners
-        from gyre_ray.runtime.workers import WORKERS_NAME, RunWorkers
+        start again: `gyre_ray.runtime.runners`); returns what `agent_executors` does."""
+        from gyre_ray.runtime.runners import WORKERS_NAME, start_runners
+        from gyre_ray.runtime.workers import RunWorkers
 
         lifetime = "detached" if self.detached else None
         self.workers = RunWorkers.options(
@@ -306,14 +306,14 @@ class Runtime:
         ).remote()  # fmt: skip
         if self.config.agents.runners:
             self.runners = start_runners(self.config.agents, self.namespace, lifetime, timeout_s)
-        return self.agent_executors(timeout_s)[1]
+        return self.agent_executors(timeout_s)
 
     def _start_scheduler(self, options: dict[str, Any], timeout_s: float = 300.0) -> Any:
         from gyre_ray.runtime.scheduler import SchedulerActor, pack_scheduler_options
 
         head = self.config.cells.control_resources()
         lifetime = "detached" if self.detached else None
-        runner_url = self.start_executors(timeout_s)
+        runner_url = self.start_executors(timeout_s)[1]
 
         cell_names = {cid: name for cid, name in self.pool.actor_names.items()}
         restarts = self.config.run.max_scheduler_restarts  # a call in flight is retried on the new actor

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.runtime.runners import executor_name
 from gyre_ray.sim.replay import COST_NUMBERS, INT_KEYS
 
 # costs.json's keys, in order: the simulator's replay (`gyre_ray.sim.replay`) reads exactly these.
@@ -117,7 +118,7 @@ def recovery_lines(summary: Mapping[str, Any]) -> list[str]:
         lines.append("cells lost and restarted: " + ", ".join(f"{c} x{n}" for c, n in sorted(cells.items())))
     losses = summary.get("runner_losses") or []
     if losses:
-        actors = Counter(loss.get("actor") or f"runner-{loss['runner']}" for loss in losses)
+        actors = Counter(loss.get("actor") or executor_name(loss["runner"]) for loss in losses)
         lines.append(
             f"{len(losses)} execution(s) started again after their executor died ("
             + ", ".join(f"{a} x{n}" for a, n in sorted(actors.items()))

@@ -34,6 +34,7 @@ from gyre_ray.config import ConfigError
 
 WORKERS_NAME = "workers"  # the run's own executor beside the scheduler (`gyre_ray.runtime.workers`)
 RUNNER_PREFIX = "runner-"
+_STARTED_AGAIN = re.compile(r"r(\d+)\.(.*)")  # `r<n>.<planned id>`: the n-th start after the first
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _EVERY_INTERFACE = ("0.0.0.0", "::")
 
@@ -85,13 +86,14 @@ def least_loaded(running: Iterable[int], count: int, avoid: Iterable[int] = ()) 
 def relaunch_id(execution_id: str) -> str:
     """The id an execution started again gets: `r1.<id>`, then `r2.<id>`, ... A tag before a `.`, as
     run tags are, so what is read from an id's end (its index; the longtail set's durations) stays."""
-    match = re.fullmatch(r"r(\d+)\.(.*)", execution_id)
+    match = _STARTED_AGAIN.fullmatch(execution_id)
     return f"r{int(match.group(1)) + 1}.{match.group(2)}" if match else f"r1.{execution_id}"
 
 
 def planned_id(execution_id: str) -> str:
     """The id a planned execution had before it was started again (`r2.<id>`: `<id>`)."""
-    return re.sub(r"^r\d+\.", "", execution_id)
+    match = _STARTED_AGAIN.fullmatch(execution_id)
+    return match.group(2) if match else execution_id
 
 
 MAX_STARTS = 5  # starts of one planned execution (its first and each after its executor died)
@@ -104,12 +106,34 @@ def executor_name(runner: int | None) -> str:
 
 def starts_of(execution_id: str) -> int:
     """How many times a planned execution has been started, read from its id (`r2.<id>`: 3)."""
-    match = re.fullmatch(r"r(\d+)\..*", execution_id)
+    match = _STARTED_AGAIN.fullmatch(execution_id)
     return 1 + int(match.group(1)) if match else 1
 
 
 class ExecutorLostError(RuntimeError):
     """An execution's executor died under it `MAX_STARTS` times, or did not come back: the run stops."""
+
+
+def check_starts(execution_id: str, executor: str) -> None:
+    """ExecutorLostError once `execution_id` has been started `MAX_STARTS` times (its executor, named
+    `executor`, died under it each time), rather than start it again."""
+    if starts_of(execution_id) >= MAX_STARTS:
+        raise ExecutorLostError(
+            f"execution {execution_id} lost its executor ({executor}) {MAX_STARTS} times; "
+            "the run stops rather than start it again (see the actor's log in the Ray dashboard)"
+        )
+
+
+def register_again(store: Any, execution_id: str, metadata: dict[str, Any]) -> tuple[str, str]:
+    """The id (`relaunch_id`) and API key under which `execution_id` starts again: the old id's key
+    is revoked (a harness that lives on adds nothing) and its records, if any, stay in the store under
+    it, never trained on."""
+    import ray
+
+    store.finish_execution.remote(execution_id)
+    again = relaunch_id(execution_id)
+    registered = store.register.remote(again, {**metadata, "relaunch_of": execution_id})
+    return again, ray.get(registered, timeout=60)["api_key"]
 
 
 def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> None:
@@ -139,11 +163,7 @@ class RunnerRecovery:
         """The executor of execution `run` died with it in flight (`run.runner`; None: `workers`): start
         it again from the beginning, on another runner where there is one, under a new id and key."""
         lost_id, lost_runner = self.planned[run.exec_id].execution_id, run.runner
-        if starts_of(lost_id) >= MAX_STARTS:
-            raise ExecutorLostError(
-                f"execution {lost_id} lost its executor ({executor_name(lost_runner)}) {MAX_STARTS} times; "
-                "the run stops rather than start it again (see the actor's log in the Ray dashboard)"
-            )
+        check_starts(lost_id, executor_name(lost_runner))
         if lost_runner is not None:
             self.lost_runners.add(lost_runner)
         self._start_again(run)
@@ -154,17 +174,10 @@ class RunnerRecovery:
         self.journal.runner_lost(loss)  # a restarted scheduler's result still lists it
 
     def _start_again(self, run: Any) -> None:
-        """Start planned execution `run` afresh under a new id (`relaunch_id`), key and workspace; the
-        old id's key is revoked (a harness that lives on adds nothing) and its records, if any, stay
-        in the store under the old id, never trained on."""
-        import ray
-
+        """Start planned execution `run` afresh under a new id, key and workspace (`register_again`)."""
         item = self.planned[run.exec_id]
-        lost_id = item.execution_id
-        item = self.planned[run.exec_id] = dataclasses.replace(item, execution_id=relaunch_id(lost_id))
-        self.store.finish_execution.remote(lost_id)
-        metadata = {"task_id": item.task.task_id, "relaunch_of": lost_id}
-        key = ray.get(self.store.register.remote(item.execution_id, metadata), timeout=60)["api_key"]
+        again, key = register_again(self.store, item.execution_id, {"task_id": item.task.task_id})
+        item = self.planned[run.exec_id] = dataclasses.replace(item, execution_id=again)
         runner = self._pick_runner()
         wait_until_answering(self._executor(runner), executor_name(runner))
         ref, run.runner = self._start_execution(item, key, runner)

@@ -42,11 +42,16 @@ from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
 from gyre_ray.runtime.recovery import CellRecovery
 from gyre_ray.runtime.run_keeper import RunKeeper, run_key
-from gyre_ray.runtime.runners import RunnerRecovery, executor_name, least_loaded, wait_until_answering
+from gyre_ray.runtime.runners import (
+    WORKERS_NAME,
+    RunnerRecovery,
+    executor_name,
+    least_loaded,
+    wait_until_answering,
+)
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.updates import UpdateStages
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
-from gyre_ray.runtime.workers import WORKERS_NAME
 from gyre_ray.scheduling.config import SchedulerSection
 from gyre_ray.scheduling.runtime import (
     CellPhase,

@@ -25,9 +25,7 @@ import ray
 
 from gyre_ray.agents.sandbox import reap_orphans
 from gyre_ray.runtime.groups import GroupResult, process_group
-from gyre_ray.runtime.runners import WORKERS_NAME
 
-__all__ = ["WORKERS_NAME", "RunWorkers"]
 log = logging.getLogger(__name__)
 OUTCOMES_KEPT = 100_000  # outcomes of ended executions remembered (a few hundred bytes each)
 
@@ -41,12 +39,10 @@ class RunWorkers:
         self._running: dict[str, threading.Event] = {}
         self._ended: OrderedDict[str, tuple[bool, Any]] = OrderedDict()  # id -> (raised, outcome or error)
         try:  # harnesses a dead executor on this node left running (Ray restarting this one, say)
-            self.reaped = reap_orphans()
+            if reaped := reap_orphans():
+                log.warning("ended the harnesses a dead executor left running as %s", ", ".join(reaped))
         except Exception as exc:  # noqa: BLE001 - a start must not fail on it: the slot's next holder ends them
-            self.reaped = []
             log.warning("could not end the harnesses a dead executor left: %s", exc)
-        if self.reaped:
-            log.warning("ended the harnesses a dead executor left running as %s", ", ".join(self.reaped))
 
     def node_ip(self) -> str:
         """The address of the node this actor runs on."""
