@@ -14,10 +14,11 @@ holds the steps before the checkpoint too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gyre_ray.checkpoint import latest, load_state
+from gyre_ray.checkpoint import latest_good, load_state
 
 
 class CoreLost(Exception):
@@ -60,9 +61,17 @@ def updates_done(runtime: Any, fallback: int) -> int:
     return int(snapshot.get("updates", fallback)) if snapshot.get("started") else fallback
 
 
-def restart_row(run_dir: Path, lost: CoreLost, attempt: int) -> dict[str, Any]:
-    """The summary row of one restart: where it resumes and how many finished steps it loses."""
-    checkpoint = latest(run_dir)
+def plan_restart(
+    run_dir: Path, lost: CoreLost, attempt: int, warn: Callable[[str], Any] | None = None
+) -> tuple[dict[str, Any], Path | None]:
+    """Where restart `attempt` resumes (the newest checkpoint whose files read: a damaged newer one is
+    skipped, with a line to `warn`, as `--resume` does; None: the start of the run) and its summary row."""
+    checkpoint = latest_good(run_dir, warn)
+    return restart_row(checkpoint, lost, attempt), checkpoint
+
+
+def restart_row(checkpoint: Path | None, lost: CoreLost, attempt: int) -> dict[str, Any]:
+    """The summary row of one restart resuming from `checkpoint`: how many finished steps it loses."""
     step = int(load_state(checkpoint)["step"]) if checkpoint is not None else 0
     return {
         "restart": attempt,

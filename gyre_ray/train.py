@@ -280,7 +280,7 @@ def _run_segments(
     progress: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """`_run_segment` until one ends the run, restarting from the newest checkpoint when the core dies."""
-    from gyre_ray.core_restart import CoreLost, describe, restart_row
+    from gyre_ray.core_restart import CoreLost, describe, plan_restart
 
     while True:
         try:
@@ -293,10 +293,10 @@ def _run_segments(
                     f"{lost.why}; run.max_core_restarts={limit} restart(s) already used: stopping "
                     f"(`gyre-ray train --resume {run_dir}` continues from the newest checkpoint)"
                 ) from lost
-            row = restart_row(run_dir, lost, len(restarts) + 1)
+            row, checkpoint = plan_restart(run_dir, lost, len(restarts) + 1, warn=_say)
             restarts.append(row)
             print(describe(row, limit), flush=True)
-            start = _resume_folder(cfg, run_dir, latest_good(run_dir, warn=_say))
+            start = _resume_folder(cfg, run_dir, checkpoint)
 
 
 def _run_segment(

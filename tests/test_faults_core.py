@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 
 from gyre_ray import checkpoint
-from gyre_ray.core_restart import CoreLost, describe, restart_row
+from gyre_ray.core_restart import CoreLost, describe, plan_restart, restart_row
 from gyre_ray.runtime.cluster import start_local_ray
+from tests import test_cli_inputs_eval as eval_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
+good_run = eval_inputs.good_run  # a fixture: a run folder with a loadable checkpoint of step 3
 OVERRIDES = [
     "run.name=corekill",
     "run.steps=3",
@@ -47,16 +49,34 @@ def _marker(folder: Path) -> None:
 def test_restart_row_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
     checkpoint.save(tmp_path, 1, _marker, {})
     checkpoint.save(tmp_path, 2, _marker, {})
-    row = restart_row(tmp_path, CoreLost("the core cell cell-0 died (RayActorError)", 3), 1)
+    row = restart_row(
+        checkpoint.latest(tmp_path), CoreLost("the core cell cell-0 died (RayActorError)", 3), 1
+    )
     assert row["resumed_from_step"] == 2 and row["steps_lost"] == 1
     assert row["checkpoint"].endswith("step-000002")
     assert "from checkpoint" in describe(row, 2) and "restart 1 of 2" in describe(row, 2)
 
 
 def test_restart_row_without_a_checkpoint_starts_the_run_again(tmp_path: Path) -> None:
-    row = restart_row(tmp_path, CoreLost("gone", 0), 1)
+    row = restart_row(None, CoreLost("gone", 0), 1)
     assert row["checkpoint"] is None and row["resumed_from_step"] == 0 and row["steps_lost"] == 0
     assert "from the start of the run (no checkpoint yet)" in describe(row, 2)
+
+
+def test_a_restart_skips_a_damaged_newest_checkpoint_and_its_row_says_so(
+    good_run: Path, tmp_path: Path
+) -> None:
+    """The row and the line name the checkpoint the restart resumes from, not a damaged newer one."""
+    run_dir = eval_inputs._with_damaged_newest(good_run, tmp_path, "{garbage")
+    warnings: list[str] = []
+    row, resumed = plan_restart(run_dir, CoreLost("gone", 5), 1, warn=warnings.append)
+    good = run_dir / checkpoint.CHECKPOINTS / checkpoint.checkpoint_name(3)
+    assert resumed == good and row["checkpoint"] == str(good)
+    assert row["resumed_from_step"] == 3 and row["steps_lost"] == 2
+    assert (
+        len(warnings) == 1 and "skipping damaged checkpoint" in warnings[0] and "step-000004" in warnings[0]
+    )
+    assert f"from checkpoint {good} (step 3), 2 finished step(s) lost" in describe(row, 2)
 
 
 def _kill_core_after(root: Path, step: int, done: threading.Event, timeout_s: float = 300.0) -> dict:

@@ -92,6 +92,7 @@ def test_rayjob_entrypoint_runs_the_job_with_a_valid_config() -> None:
     limits = cells["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert int(limits["nvidia.com/gpu"]) == cfg.cells.gpus_per_cell
     assert cells["replicas"] == cfg.cells.num_cells
+    _runs_on_the_gpus(cfg)
     agents = groups["agents"]  # one runner actor per agent pod, placed by the pod's custom resource
     assert agents["replicas"] == cfg.agents.runners
     offered = json.loads(json.loads(agents["rayStartParams"]["resources"]))  # KubeRay's quoted JSON string
@@ -121,3 +122,16 @@ def test_rayservice_serves_the_proxy_application() -> None:
     assert attr == "app_builder"
     cfg = load_config(ROOT / app.args["config"], app.args["overrides"])
     assert cfg.model.path and Path(cfg.model.path).is_absolute()
+    spec = _by_kind("RayService")["spec"]["rayClusterConfig"]
+    (cells,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "cells"]
+    # every cell's bundle must be placed, or the app never starts: a fixed pod per cell
+    assert cells["replicas"] == cells["minReplicas"] == cells["maxReplicas"] == cfg.cells.num_cells
+    limits = cells["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert int(limits["nvidia.com/gpu"]) == cfg.cells.gpus_per_cell
+    _runs_on_the_gpus(cfg)
+
+
+def _runs_on_the_gpus(cfg) -> None:
+    """The GPU backends: the torch engine and trainer would run on the pods' CPUs, the GPUs reserved for nothing."""
+    assert cfg.engine.backend == "sglang" and cfg.trainer.backend == "megatron"
+    assert cfg.trainer.megatron_ranks <= cfg.cells.gpus_per_cell

@@ -117,6 +117,18 @@ def test_tasks_with_the_same_history_tie_exactly_whatever_else_is_ranked() -> No
     assert ids(order.order(s)) == [1, 2, 0]  # task 2 (timed out) first, then tasks 1 and 3 by id
 
 
+def test_means_that_differ_only_in_their_last_bits_tie(monkeypatch: pytest.MonkeyPatch) -> None:
+    # np.exp and numpy's sums take other SIMD paths on other CPUs: the order must not hang on the last
+    # bits (a 2-cell nl2repo run ranked otherwise on an AMD EPYC without AVX-512 than where it was
+    # measured). Tasks 2 and 3 have one sibling running each; task 3's mean is 1 ULP above task 2's:
+    # a tie, which goes to the id; 1e-3 more is a real difference, and task 3 goes first.
+    s = state([(0, 0, 2), (1, 0, 3)], running={2: {8: 0.0}, 3: {9: 0.0}})
+    order = SiblingOrder(PRIOR)
+    for above, expected in ((np.nextafter(8.0, 9.0), [0, 1]), (8.0 + 1e-3, [1, 0])):
+        monkeypatch.setattr(order, "posterior_means", lambda _s, groups, above=above: [8.0, above])
+        assert ids(order.order(s)) == expected
+
+
 def test_a_task_whose_history_grows_is_scored_anew() -> None:
     # the ended executions' likelihood is kept per history: one more end must change the score
     order = SiblingOrder(PRIOR)

@@ -353,11 +353,19 @@ def test_max_tokens_capped_to_context_and_over_long_prompts_rejected(tmp_path):
             json={"model": "m", "max_tokens": 10**12, "messages": [{"role": "user", "content": "hi"}]},
             headers={"x-api-key": c.anthropic.api_key},
         )
-        return ok, huge
+        with pytest.raises(openai.BadRequestError) as newer:  # the error names the field that was sent
+            await c.openai.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=10**12
+            )
+        return ok, huge, newer.value
 
-    (ok, huge), records = scenario(lp, body)
+    (ok, huge, newer), records = scenario(lp, body)
     assert huge.status_code == 400 and huge.json()["type"] == "error"
     assert "the most this proxy accepts" in huge.json()["error"]["message"]
+    assert (
+        newer.body["param"] == "max_completion_tokens"
+        and "max_completion_tokens is 10" in newer.body["message"]
+    )
     assert ok.choices[0].finish_reason == "stop"
     assert len(records[0].input_ids) + len(records[0].output_ids) <= 64
 

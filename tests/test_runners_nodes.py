@@ -131,10 +131,12 @@ def test_executions_of_a_runner_that_dies_start_again_on_another(runtime) -> Non
 
 
 def test_an_evaluation_round_runs_on_the_runners(runtime) -> None:
-    """`run.eval_every` and `gyre-ray eval` deal a round's executions out over the runners too."""
+    """`run.eval_every` and `gyre-ray eval` deal a round's executions out over the runners too; a
+    runner Ray is restarting as the round starts is waited for (it used to fail the round)."""
     from gyre_ray.evaluation import EvalRunner
 
     cfg = runtime.config.model_copy(update={"run": runtime.config.run.model_copy(update={"eval_every": 1})})
+    ray.kill(ray.get_actor("runner-1", namespace=runtime.namespace), no_restart=False)
     executors, base_url = runtime.agent_executors()
     assert executors == runtime.runners and len(executors) == 2
     evaluator = EvalRunner(cfg, runtime.store, executors, base_url, runtime.folder / "eval", EXECUTOR)

@@ -263,6 +263,12 @@ def test_elastic_knobs_set_while_the_search_is_on_are_said_to_be_unused(small: s
     )
     assert main(argv) == 0
     assert "sim.tune_knobs is on" not in capsys.readouterr().err
+    # with prefetch=paced the pace set replaces the searched pace grid: only the prefetch goes unused
+    assert main([*argv, "scheduler.elastic_prefetch=paced", "scheduler.elastic_pace_s=900"]) == 0
+    err = capsys.readouterr().err
+    assert "searched and scheduler.elastic_prefetch is not used" in err and "elastic_pace_s" not in err
+    assert main([*argv, "scheduler.elastic_prefetch=spare", "scheduler.elastic_pace_s=900"]) == 0
+    assert "scheduler.elastic_prefetch, scheduler.elastic_pace_s are not used" in capsys.readouterr().err
 
 
 def test_without_the_search_elastic_runs_the_launch_order_set(small: str, tmp_path: Path, capsys) -> None:

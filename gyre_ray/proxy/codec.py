@@ -5,8 +5,8 @@
 re-encoded assistant bodies; `parse` splits generated text into content and tool calls. Loading it
 needs no torch (only the tokenizer and the model's context length), so the proxy stays light.
 
-Harnesses re-send their whole conversation on every call (Claude Code's system prompt alone is ~76 KB,
-over 10 ms to encode here), so `prompt_ids` keeps the ids of recently rendered segments in a bounded
+Harnesses re-send their whole conversation on every call (Claude Code's first request is ~76 KB,
+its system prompt and tools; over 10 ms to encode here), so `prompt_ids` keeps the ids of recently rendered segments in a bounded
 LRU (`SegmentCache`): a segment seen before costs a lookup instead of an encode.
 """
 

@@ -65,6 +65,7 @@ async def chat_completions(service: Any, execution_id: str, body: Any, headers: 
         req.top_p,
         req.requested_max_tokens(),
         req.seed,
+        max_tokens_param=req.max_tokens_param(),
         extra_stop_ids=one_call,
     )
     gen, slot = await begin(

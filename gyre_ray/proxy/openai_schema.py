@@ -127,6 +127,10 @@ class ChatCompletionRequest(SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_tokens_param(self) -> str:
+        """The field `requested_max_tokens` came from, which an error about it names."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def to_prompt(self) -> ChatPrompt:
         """The conversation as OpenAI-style message dicts plus tool specs, validated for consistency."""
         messages: list[dict[str, Any]] = []

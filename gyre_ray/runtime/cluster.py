@@ -341,16 +341,15 @@ class Runtime:
 
     def agent_executors(self, timeout_s: float = 120.0) -> tuple[list[Any], str]:
         """Where executions run, and the proxy URL their harnesses call there: the runner actors
-        (`agents.runners`, `gyre_ray.runtime.runners`) or `workers`."""
-        import ray
-
-        from gyre_ray.runtime.runners import runner_base_url
+        (`agents.runners`, `gyre_ray.runtime.runners`) or `workers`. An executor Ray is restarting
+        (it died: a runner killed mid-run, say) is waited for, up to `timeout_s` each."""
+        from gyre_ray.runtime.runners import WORKERS_NAME, runner_base_url, runner_name, wait_until_answering
 
         if not self.runners:
             return [self.workers], self.proxy.base_url
-        proxy_ip, *runner_ips = ray.get(
-            [actor.node_ip.remote() for actor in (self.workers, *self.runners)], timeout=timeout_s
-        )  # (the proxy's replicas run beside `workers`, on the control node)
+        # (the proxy's replicas run beside `workers`, on the control node)
+        proxy_ip = wait_until_answering(self.workers, WORKERS_NAME, timeout_s)
+        runner_ips = [wait_until_answering(r, runner_name(i), timeout_s) for i, r in enumerate(self.runners)]
         url = runner_base_url(self.proxy.base_url, self.config.proxy.host, proxy_ip, runner_ips)
         return list(self.runners), url
 

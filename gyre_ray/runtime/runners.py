@@ -136,18 +136,17 @@ def register_again(store: Any, execution_id: str, metadata: dict[str, Any]) -> t
     return again, ray.get(registered, timeout=60)["api_key"]
 
 
-def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> None:
+def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> str:
     """Block until executor `actor` answers (Ray restarting it after a death: a call sent before the
-    new process is up fails too, which would cost an execution a start); ExecutorLostError after
-    `timeout_s`."""
+    new process is up fails too, which would cost an execution a start); returns its node's address;
+    ExecutorLostError after `timeout_s`."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            ray.get(actor.node_ip.remote(), timeout=max(1.0, deadline - time.monotonic()))
-            return
+            return ray.get(actor.node_ip.remote(), timeout=max(1.0, deadline - time.monotonic()))
         except (RayActorError, GetTimeoutError) as exc:
             if time.monotonic() >= deadline:
                 raise ExecutorLostError(

@@ -57,8 +57,8 @@ class SchedulerSection(Section):
         0,
         ge=0,
         description="async: cells that train for the whole run (the rest roll out; nothing ever switches); "
-        "0 = half the cells, rounded down, at least 1 (the simulator with sim.tune_knobs instead tries "
-        "every split and keeps the best).",
+        "0 = half the cells, rounded down, at least 1 (with 0, the simulator under sim.tune_knobs instead "
+        "tries every split and keeps the best; a split set here it runs as given).",
     )
 
     @model_validator(mode="after")

@@ -13,7 +13,8 @@ sqrt(1 - rho) Z_exec), capped at the timeout), given each task's ended execution
 ran; a timed-out one only says "at least the timeout") and its running ones (each has run at
 least its elapsed time). Within a batch, one *probe* of every task nobody has launched yet goes
 first, then the other executions task by task, longest-looking task first (ties: the task with
-more executions launched, then id order), so a batch's long tasks start early and its short tasks
+more executions launched, then id order; means equal to 1e-6 tie, so that the order does not hang on
+the last bits a CPU's SIMD paths give), so a batch's long tasks start early and its short tasks
 fill the gaps. Without task ids in the state (group -1) the order stays first-in first-out.
 
 It reads only the state (launch times, ends, task ids) and the prior's four numbers, never a
@@ -37,6 +38,7 @@ _LOG_PRIOR = -0.5 * _GRID**2
 # log P(N(0, 1) > x) on [-8, 8], tabulated once for np.interp
 _X = np.linspace(-8.0, 8.0, 1601)
 _LOG_SF = np.log(np.array([0.5 * math.erfc(x / math.sqrt(2.0)) for x in _X]))
+_SCORE_DIGITS = 6  # decimals of a task's posterior mean log duration that rank it (`SiblingOrder.order`)
 _CACHE_LIMIT = 100_000  # task histories whose likelihood is kept (a 48-step run has about 3,000 tasks)
 
 
@@ -103,7 +105,12 @@ class SiblingOrder:
         last = min(state.steps_total - 1, state.policy_version + state.staleness)
         by_batch = _tasks_by_batch(state, last)
         groups = [g for tasks in by_batch.values() for g in tasks if g >= 0]
-        scores = dict(zip(groups, self.posterior_means(state, groups), strict=True))
+        # rounded to 1e-6 (log seconds): np.exp / np.log and numpy's sums take other SIMD paths on
+        # other CPUs (AVX-512 or not), whose last bits would otherwise decide the order of near ties
+        scores = {
+            g: round(m, _SCORE_DIGITS)
+            for g, m in zip(groups, self.posterior_means(state, groups), strict=True)
+        }
         ordered: list[PendingExecution] = []
         for batch in sorted(by_batch):
             tasks = by_batch[batch]

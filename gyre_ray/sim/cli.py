@@ -56,11 +56,14 @@ def _policy_override_problem(keys: dict[str, str], default: str) -> str | None:
 
 
 def _searched_knobs_set(sched: Any) -> str:
-    """The elastic settings of `sched` that differ from their defaults and that the knob search replaces."""
+    """The elastic settings of `sched` that differ from their defaults and that the knob search replaces
+    (with `elastic_prefetch=paced` the pace set is the one the search tries for paced: it stays)."""
     from gyre_ray.scheduling.config import SchedulerSection
 
     default = SchedulerSection()
-    names = ("elastic_prefetch", "elastic_pace_s", "elastic_launch_order", "elastic_duration_prior")
+    names = ["elastic_prefetch", "elastic_launch_order", "elastic_duration_prior"]
+    if sched.elastic_prefetch != "paced":
+        names.insert(1, "elastic_pace_s")
     changed = [f"scheduler.{n}" for n in names if getattr(sched, n) != getattr(default, n)]
     if not changed:
         return ""
