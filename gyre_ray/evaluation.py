@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from gyre_ray.agents.outcomes import outcome_metrics
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.envs.base import Task, get_task_set
 from gyre_ray.proxy.store_files import json_lines
+from gyre_ray.runtime.runners import ExecutorLostError
 
 EVAL_FILE = "eval.jsonl"
 
@@ -47,6 +49,23 @@ def split_tasks(cfg: GyreConfig) -> tuple[list[Task], list[Task]]:
             f"run.eval_holdout={run.eval_holdout} would leave none to train on; set run.eval_task_set"
         )
     return tasks[: -run.eval_holdout], tasks[-run.eval_holdout :]
+
+
+def check_tasks_per_step(cfg: GyreConfig) -> list[Task]:
+    """The run's training tasks (`split_tasks`), or a ConfigError when a step would need more distinct
+    tasks than they are (a task twice in one step would give two executions the same id)."""
+    tasks = split_tasks(cfg)[0]
+    if cfg.run.tasks_per_step > len(tasks):
+        held = (
+            f" after run.eval_holdout={cfg.run.eval_holdout} held out"
+            if cfg.run.eval_every and not cfg.run.eval_task_set
+            else ""
+        )
+        raise ConfigError(
+            f"run.tasks_per_step={cfg.run.tasks_per_step} but agents.task_set {cfg.agents.task_set!r} has "
+            f"{len(tasks)} training task(s){held}: a step runs distinct tasks, so give run.tasks_per_step <= {len(tasks)}"
+        )
+    return tasks
 
 
 def eval_task_set_name(cfg: GyreConfig) -> str:
@@ -147,7 +166,8 @@ class EvalRunner:
 
     An execution whose executor dies under it starts again from the beginning on the next executor
     (a restarted `workers` where there is no other), under a new id (`r1.<id>`) and workspace (the
-    same seed), the lost one's key revoked; `MAX_STARTS` starts of one execution stop the round.
+    same seed), the lost one's key revoked; `MAX_STARTS` starts of one execution abandon the round
+    (a warning, no row; training goes on).
     """
 
     def __init__(
@@ -244,7 +264,14 @@ class EvalRunner:
         deadline = time.monotonic() + timeout_s
         while True:
             for rnd in list(self.rounds):
-                self._start_lost_again(rnd)
+                try:
+                    self._start_lost_again(rnd)
+                except ExecutorLostError as exc:  # an evaluation is an observation: training goes on
+                    print(f"gyre-ray: warning: the evaluation round after step {rnd.step} is abandoned: {exc}",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    self.rounds.remove(rnd)
+                    self.done_steps.add(rnd.step)
+                    continue
                 if len(rnd.ended) < len(rnd.refs):
                     continue
                 outcomes = ray.get(rnd.refs)

@@ -25,7 +25,7 @@ from typing import Any
 from gyre_ray.checkpoint import latest as latest_checkpoint
 from gyre_ray.checkpoint import latest_good, load_state, require_good, trainer_dir
 from gyre_ray.config import GyreConfig, load_config
-from gyre_ray.evaluation import format_eval, read_eval, reward_text, split_tasks
+from gyre_ray.evaluation import check_tasks_per_step, format_eval, read_eval, reward_text
 from gyre_ray.observability.metrics import trend_window
 from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
 from gyre_ray.resume_checks import check_checkpoint_model, check_resume_settings, keep_config
@@ -117,6 +117,15 @@ def new_run_dir(cfg: GyreConfig) -> Path:
     return run_dir
 
 
+def close_run_folder(cfg: GyreConfig, run_dir: Path) -> None:
+    """With `agents.workspace_root` the executions work on their nodes' own disk and never need the run
+    folder, which on a cluster is a volume their nodes mount: close it (0700) to the sandbox uids
+    there (config.json, metrics, checkpoints). Without it, each execution's start opens only the path
+    to its workspace (`sandbox.protect_job_folders`)."""
+    if cfg.agents.workspace_root is not None and cfg.agents.isolation != "none":
+        os.chmod(run_dir, 0o700)
+
+
 def train(
     cfg: GyreConfig,
     *,
@@ -155,13 +164,14 @@ def train(
         # the warm-up (a no-op when it is off), cached in the runs folder: a resumed run's own parent
         root = resumed.parent if resumed is not None else runs_root(cfg.run.run_dir)
         cfg = prepare_policy(cfg, root)
-        split_tasks(cfg)  # an impossible held-out split fails here, not in the scheduler actor
+        check_tasks_per_step(cfg)  # an impossible split or step fails here, not in the scheduler actor
     if resumed is not None:
         run_dir = resumed
         check_checkpoint_model(cfg, checkpoint)
         start = _resume_folder(cfg, run_dir, checkpoint)
     elif attach is None:
         run_dir, start = new_run_dir(cfg), None
+    close_run_folder(cfg, run_dir)
     try:
         summary = _run_segments(cfg, run_dir, start, restarts, (engine_factory, execute), live, progress)
     except BaseException as exc:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gyre_ray.agents.sandbox import (
+    SandboxError,
     acquire_identity,
     close_hidden_tests,
     job_workspaces,
@@ -22,6 +23,7 @@ from gyre_ray.agents.sandbox import (
     protect_ray_credentials,
     reap_orphans,
     reclaim,
+    secure_workspace_root,
 )
 from gyre_ray.agents.scratch import remove_scratch
 
@@ -136,3 +138,38 @@ def _sleep_as(identity) -> subprocess.Popen:
     return subprocess.Popen(
         ["sleep", "300"], user=identity.uid, group=identity.gid, extra_groups=[], start_new_session=True
     )
+
+
+def test_a_workspace_root_others_may_write_is_closed_and_a_link_refused(tmp_path: Path) -> None:
+    # a Kubernetes emptyDir is 0777 without the sticky bit: a sandbox uid could swap the run's folder
+    root = tmp_path / "workspaces"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    secure_workspace_root(root)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o711
+    os.chmod(root, 0o755)
+    secure_workspace_root(root)  # not writable by others: left as it is
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
+    fresh = tmp_path / "new" / "root"
+    secure_workspace_root(fresh)
+    assert fresh.is_dir()
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    with pytest.raises(SandboxError, match="not a symbolic link"):
+        secure_workspace_root(link)
+
+
+def test_with_a_workspace_root_the_run_folder_is_closed(tmp_path: Path) -> None:
+    from gyre_ray.config import load_config
+    from gyre_ray.train import close_run_folder
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o755)
+    close_run_folder(load_config(None, []), run_dir)  # workspaces in the run folder: opened per launch
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o755
+    close_run_folder(
+        load_config(None, [f"agents.workspace_root={tmp_path / 'ws'}", "agents.isolation=none"]), run_dir
+    )
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o755  # no sandbox: nothing to close it to
+    close_run_folder(load_config(None, [f"agents.workspace_root={tmp_path / 'ws'}"]), run_dir)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700

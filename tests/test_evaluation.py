@@ -9,9 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from gyre_ray.config import load_config
+from gyre_ray.config import ConfigError, load_config
 from gyre_ray.envs.base import get_task_set
-from gyre_ray.evaluation import eval_due, flat_metrics, format_eval, plan_round, split_tasks, summarize
+from gyre_ray.evaluation import (
+    check_tasks_per_step,
+    eval_due,
+    flat_metrics,
+    format_eval,
+    plan_round,
+    split_tasks,
+    summarize,
+)
 from gyre_ray.observability.metrics import flatten
 
 
@@ -28,6 +36,16 @@ def test_the_held_out_tasks_are_never_trained_on() -> None:
 def test_holding_out_every_task_is_refused() -> None:
     with pytest.raises(ValueError, match="would leave none to train on"):
         split_tasks(load_config(None, ["run.eval_every=1", "run.eval_holdout=4"]))
+
+
+def test_a_step_needing_more_tasks_than_training_has_is_refused() -> None:
+    # a task twice in one step gave two executions the same id: the store refused the second mid-run
+    assert len(check_tasks_per_step(load_config(None, ["run.tasks_per_step=4"]))) == 4  # toy: 4 tasks
+    with pytest.raises(ConfigError, match=r"run.tasks_per_step=5 but agents.task_set 'toy' has 4 training"):
+        check_tasks_per_step(load_config(None, ["run.tasks_per_step=5"]))
+    held_out = ["run.tasks_per_step=3", "run.eval_every=1", "run.eval_holdout=2"]
+    with pytest.raises(ConfigError, match=r"has 2 training task\(s\) after run.eval_holdout=2 held out"):
+        check_tasks_per_step(load_config(None, held_out))
 
 
 def test_eval_is_due_at_the_start_every_n_steps_and_at_the_end() -> None:
@@ -83,3 +101,22 @@ def test_every_number_of_a_step_reaches_wandb_flattened() -> None:
     assert flatten(step) == {
         "loss": 0.5, "staleness/max": 1, "staleness/mean": 0.5, "trained_by_cell/cell-0": 3, "exact": 1,
     }  # fmt: skip
+
+
+def test_an_evaluation_whose_executors_keep_dying_is_abandoned_not_the_run(tmp_path, capsys) -> None:
+    """`MAX_STARTS` starts of an evaluation execution used to raise out of `poll`, through the driver,
+    and end the training run: the round is dropped with a warning instead."""
+    from gyre_ray.evaluation import EvalRunner, _Round
+    from gyre_ray.runtime.runners import ExecutorLostError
+
+    runner = EvalRunner.__new__(EvalRunner)
+    runner.rounds, runner.done_steps, runner.run_dir = [_Round(4, 4, [], [], [])], set(), tmp_path
+
+    def lost(rnd) -> None:
+        raise ExecutorLostError("execution r4.eval-4-t-0 lost its executor (runner-1) 5 times")
+
+    runner._start_lost_again = lost
+    assert runner.poll(5) == [] and runner.rounds == [] and 4 in runner.done_steps
+    err = capsys.readouterr().err
+    assert "the evaluation round after step 4 is abandoned" in err and "5 times" in err
+    assert not (tmp_path / "eval.jsonl").exists()

@@ -357,3 +357,40 @@ def test_a_started_run_is_joined_by_a_run_call_with_its_key_and_a_failure_reache
     keeper.start("bad", fails)
     with pytest.raises(ValueError, match="boom"):
         keeper.join("bad", body, timeout_s=10)
+
+
+def test_a_full_disk_fails_the_batch_and_leaves_the_file_whole(tmp_path, monkeypatch) -> None:
+    """A write that comes back short is carried on; one that fails (ENOSPC) is cut back to where the
+    file ended and fails the batch, whose records are not booked: the batch sent again is taken, and
+    the file reads back whole (a torn line followed by later ones made every read of it fail)."""
+    import errno
+    import os
+
+    from gyre_ray.proxy import store_files
+    from gyre_ray.proxy.store import TrajectoryStore
+
+    store = TrajectoryStore(tmp_path, durable=True, fsync=False)
+    store.register("exec-a")
+    store.add_many([(_store_record("exec-a", 0), None)])
+    real_write = os.write
+    plan = ["short", "full"]
+
+    def flaky_write(fd: int, data) -> int:
+        step = plan.pop(0) if plan else "ok"
+        if step == "short":  # half of it, then the rest on the next call
+            return real_write(fd, bytes(data[: max(1, len(data) // 2)]))
+        if step == "full":
+            real_write(fd, bytes(data[:7]))  # a torn piece, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(store_files.os, "write", flaky_write)
+    with pytest.raises(OSError, match="No space left"):
+        store.add_many([(_store_record("exec-a", 1), None)])  # short write carried on, then full
+    monkeypatch.setattr(store_files.os, "write", real_write)
+    assert [r.call_id for r in store.records("exec-a")] == ["call-0"]
+    store.add_many([(_store_record("exec-a", 1), None), (_store_record("exec-a", 2), None)])  # sent again
+    assert [r.call_id for r in store.records("exec-a")] == ["call-0", "call-1", "call-2"]
+    assert store.stats()["duplicate_records"] == 0
+    again = TrajectoryStore(tmp_path, durable=True, fsync=False, restore=True)
+    assert [r.call_id for r in again.records("exec-a")] == ["call-0", "call-1", "call-2"]

@@ -15,6 +15,7 @@ import yaml
 from kuberay_schema import CRD_DIR, validation_errors
 
 from gyre_ray.config import load_config
+from gyre_ray.evaluation import check_tasks_per_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((ROOT / "deployments" / "kuberay").glob("*.yaml"))
@@ -93,6 +94,7 @@ def test_rayjob_entrypoint_runs_the_job_with_a_valid_config() -> None:
     assert int(limits["nvidia.com/gpu"]) == cfg.cells.gpus_per_cell
     assert cells["replicas"] == cfg.cells.num_cells
     _runs_on_the_gpus(cfg)
+    check_tasks_per_step(cfg)  # a step's tasks are distinct: the set has enough of them
     agents = groups["agents"]  # one runner actor per agent pod, placed by the pod's custom resource
     assert agents["replicas"] == cfg.agents.runners
     offered = json.loads(json.loads(agents["rayStartParams"]["resources"]))  # KubeRay's quoted JSON string

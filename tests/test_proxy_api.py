@@ -267,6 +267,12 @@ def test_keys_name_executions_and_errors_keep_each_apis_shape(proxy):
             f"/gyre/executions/{other['execution_id']}/records", headers=admin
         )
         out["drain_unknown"] = await c.http.post("/gyre/cells/nope/drain", headers=admin)
+        await c.openai.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        out["me"] = execution_id
+        out["own_count"] = await c.http.get(f"/gyre/executions/{execution_id}", headers=mine)
+        out["other_count"] = await c.http.get(f"/gyre/executions/{other['execution_id']}", headers=mine)
+        out["admin_count"] = await c.http.get(f"/gyre/executions/{other['execution_id']}", headers=admin)
+        out["unknown_count"] = await c.http.get("/gyre/executions/nobody", headers=admin)
         out["head"] = await c.http.head("/")
         out["nowhere"] = await c.http.get("/v2/nothing")
         return out
@@ -282,6 +288,10 @@ def test_keys_name_executions_and_errors_keep_each_apis_shape(proxy):
     assert out["admin_with_key"].status_code == 401
     assert out["admin_records"].status_code == 200
     assert out["drain_unknown"].status_code == 404
+    # how many calls are recorded, as a runner asks it when its harness ends: own key or admin only
+    assert out["own_count"].json() == {"execution_id": out["me"], "records": 1, "finished": False}
+    assert out["other_count"].status_code == 403 and out["unknown_count"].status_code == 404
+    assert out["admin_count"].json()["records"] == 0
     assert out["head"].status_code == 200
     assert out["nowhere"].status_code == 404 and "error" in out["nowhere"].json()
 

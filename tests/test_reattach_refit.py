@@ -79,3 +79,13 @@ def test_no_refit_before_the_first_step_ends_nor_for_a_configured_prior() -> Non
     before = configured.policy
     configured._reattach(journal(published=1))
     assert configured.policy is before and "duration_model" not in configured.scheduler_restarts[-1]
+
+
+def test_the_row_of_an_update_the_dead_scheduler_did_not_journal_carries_its_version() -> None:
+    # the core stepped to version 2, but only version 1 was journaled: the restarted scheduler books
+    # step 1 as recovered, with the version the driver reads from every row (it raised KeyError)
+    sched = restarted_scheduler("auto", published=1)
+    sched.trainer_version = 2
+    sched._reattach(journal(published=1))
+    row = sched.step_metrics[-1]
+    assert row["recovered_after_scheduler_restart"] and (row["step"], row["version"]) == (1, 2)

@@ -132,3 +132,50 @@ def test_workspaces_go_under_the_run_folder_or_a_node_local_root(tmp_path) -> No
     assert local.agents.workspaces_dir("/runs/toy-1") == Path("/var/lib/gyre/toy-1/workspaces")
     with pytest.raises(ConfigError, match="agents.workspace_root: .*must be an absolute path"):
         load_config("jobs/configs/toy.yaml", ["agents.workspace_root=scratch/ws"])
+
+
+def test_a_dead_runner_takes_executions_again_once_it_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`lost_runners` is a while, not the rest of the run: a probe every few seconds brings it back."""
+    import time
+    from types import SimpleNamespace
+
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from gyre_ray.runtime import runners as runners_module
+
+    answers: dict[str, object] = {}
+    monkeypatch.setattr(ray, "get", lambda ref, **_: _raise_or(answers[ref]))
+    asked: list[int] = []
+
+    def runner(index: int) -> SimpleNamespace:
+        def remote() -> str:
+            asked.append(index)
+            return f"probe-{index}-{len(asked)}"
+
+        return SimpleNamespace(node_ip=SimpleNamespace(remote=remote))
+
+    sched = runners_module.RunnerRecovery()
+    sched.runners, sched.lost_runners = [runner(0), runner(1)], {1}
+    sched.runner_probes, sched.runner_probe_due = {}, {}
+    sched._probe_lost_runners()
+    sched._probe_lost_runners()  # one probe in flight at a time
+    (ref,) = sched.runner_probes
+    assert asked == [1]
+    answers[ref] = ActorUnavailableError("restarting", None)
+    sched._runner_probed(ref, sched.runner_probes.pop(ref))
+    assert sched.lost_runners == {1}
+    sched._probe_lost_runners()
+    assert asked == [1] and not sched.runner_probes  # not before RUNNER_PROBE_EVERY_S
+    sched.runner_probe_due[1] = time.monotonic() - 1.0
+    sched._probe_lost_runners()
+    (ref,) = sched.runner_probes
+    answers[ref] = "10.0.0.2"
+    sched._runner_probed(ref, sched.runner_probes.pop(ref))
+    assert sched.lost_runners == set() and least_loaded([0, 0], 2, sched.lost_runners) == 1
+
+
+def _raise_or(value: object) -> object:
+    if isinstance(value, BaseException):
+        raise value
+    return value

@@ -264,3 +264,50 @@ def test_a_compaction_the_proxy_left_unknown_is_placed_by_the_tree() -> None:
     b.records[3].role = "unknown"
     tree = CallTree.build(b.records)
     assert dict(zip((c.call_id for c in tree.calls), classify_roles(tree), strict=True)) == b.truth
+
+
+def test_a_path_that_adds_no_new_loss_token_takes_no_place() -> None:
+    """Main calls aborted before they generated anything, each after another tool result, are leaves
+    off the main context: their paths count the main context's tokens but add none. They used to take
+    3 of the 5 places ahead of a sub-agent, which was dropped with 30 of the 95 generated tokens."""
+    from gyre_ray.trajectory.packing import pack_paths
+    from gyre_ray.trajectory.pipeline import process_execution
+
+    b = Builder()
+    ctx = b.add("m1", "main", SYS + [10], toks(1000, 10)) + [11]
+    ctx = b.add("m2", "main", ctx, toks(1010, 10)) + [12]
+    summary = b.add("sum", "main-summary", ctx + [13], toks(1020, 5))[-5:]
+    ctx = b.add("m3", "main", SYS + [14] + summary, toks(1100, 20)) + [15]
+    for k in range(4):
+        b.add(f"aborted-{k}", "main", ctx + [30 + k], [])
+    b.add("m4", "main", ctx + [16], toks(1200, 20))
+    b.add("sa", "sub-agent", SUB, toks(2000, 30))
+    processed = process_execution(b.records)
+    roles = sorted(p.role for p in processed.selected)
+    assert roles == ["main", "main", "sub-agent"], (
+        roles
+    )  # the final main path, the first context, the sub-agent
+    every = sum(sum(node.loss) for node in processed.tree.nodes())
+    assert every == 95 and sum(pack_paths("e", processed.selected).loss_mask) == every
+
+
+def test_a_compaction_is_mains_though_a_sub_agents_answer_came_back_last() -> None:
+    """A compaction with a summariser prompt of its own (recorded `unknown`) re-renders the main
+    history, whose last tool result is a sub-agent's answer: the latest output in its prompt is then
+    the sub-agent's. Its owner is the latest call whose own turn it re-renders (main), not that one:
+    it was labelled `sub-agent-summary`, the lowest priority."""
+    main_sys, sub_sys, summariser = toks(5000, 10), toks(6000, 10), toks(7000, 10)
+    b = Builder()
+    ctx = main_sys + [1, 2, 3]
+    first = b.add("m1", "main", ctx, toks(100, 12))[-12:]
+    ctx = ctx + first + [4]
+    spawn = b.add("m2", "main", ctx, toks(112, 12))[-12:]
+    step = b.add("s1", "sub-agent", sub_sys + spawn[6:], toks(200, 12))[-12:]
+    answer = b.add("s2", "sub-agent", sub_sys + spawn[6:] + step + [5], toks(212, 12))[-12:]
+    ctx = ctx + spawn + [6] + answer + [7]  # the answer comes back as a tool result
+    b.unknown = True
+    summary = b.add("sum", "main-summary", summariser + [8] + ctx[len(main_sys) :] + [9], toks(300, 12))[-12:]
+    b.unknown = False
+    b.add("m3", "main", main_sys + [10] + summary, toks(400, 12))
+    roles = classify_roles(CallTree.build(b.records))
+    assert roles == ["main", "main", "sub-agent", "sub-agent", "main-summary", "main"]

@@ -26,6 +26,7 @@ from gyre_ray.agents.sandbox import (
     own_uids,
     protect_job_folders,
     protect_ray_credentials,
+    secure_workspace_root,
 )
 from gyre_ray.envs.base import Task, get_task_set
 
@@ -80,6 +81,8 @@ def run_planned_execution(
         task = next(t for t in tasks if t.task_id == task_id)
         path = Path(workspace)
         if cfg.isolation != "none":
+            if cfg.workspace_root is not None:
+                secure_workspace_root(Path(cfg.workspace_root))
             protect_job_folders(job_workspaces(path))
             protect_ray_credentials()  # on every node that runs executions (chmods: cheap)
             if own_uids(cfg.isolation):  # close every task's tests, not only this one's

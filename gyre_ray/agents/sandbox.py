@@ -33,6 +33,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -514,6 +515,26 @@ def job_workspaces(workspace: Path) -> Path:
                 os.chmod(inner, 0o711)
             return folder
     return workspace.parent
+
+
+def secure_workspace_root(root: Path) -> None:
+    """`agents.workspace_root` as the job's own: created if missing, and closed to writes by others.
+
+    A Kubernetes emptyDir is created 0777 without the sticky bit: a sandbox uid could then rename the
+    run's folder under it and put its own in place (other executions' workspaces, files the job
+    writes and chowns as root). A symbolic link, or a folder someone else owns that others may write
+    to, is refused (SandboxError)."""
+    root.mkdir(parents=True, exist_ok=True)
+    st = root.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise SandboxError(f"agents.workspace_root {root} must be a folder, not a symbolic link")
+    if st.st_mode & 0o022:
+        if st.st_uid != os.geteuid() and os.geteuid() != 0:
+            raise SandboxError(
+                f"agents.workspace_root {root} is writable by others and not the job's (uid {st.st_uid}): "
+                "sandboxed executions could replace the run's folders; give the job a folder of its own"
+            )
+        os.chmod(root, 0o711)
 
 
 def protect_job_folders(workspaces: Path, private: tuple[str, ...] = ("records",)) -> None:

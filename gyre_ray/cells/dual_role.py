@@ -363,6 +363,14 @@ class DualRoleCell(RolloutCell, CollectiveHost):
     def trainer_version(self) -> int:
         return self._trainer().version
 
+    async def settled_version(self) -> int:
+        """The trainer's version once no locked work (an optimizer step, a gradient import) is under
+        way: a restarted scheduler reads it, and `trainer_version` would answer mid-step with the
+        version before it (the step would then be taken twice)."""
+        trainer = self._trainer()
+        async with self._lock:
+            return trainer.version
+
     async def save(self, folder: str) -> str:
         """Core: write the checkpoint (HF folder + optimizer state); returns the folder."""
         self._require_core("save")

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gyre_ray.proxy.errors import bad_request
-from gyre_ray.proxy.openai_schema import Lenient
+from gyre_ray.proxy.openai_schema import Lenient, NameText, StopString, session_or_none
 from gyre_ray.proxy.prompt import ChatPrompt, check_parameters_schema, check_tool_name
 
 
@@ -86,12 +86,13 @@ class ToolChoice(Lenient):
     disable_parallel_tool_use: bool | None = None
 
 
+_USER_ID_MAX_CHARS = 4096
 BLOCK_TYPES = ("text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking")
 RESULT_BLOCK_TYPES = ("text", "image", "document")
 
 
 class CountTokensRequest(Lenient):
-    model: str
+    model: NameText
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
@@ -155,20 +156,21 @@ class CountTokensRequest(Lenient):
         """Claude Code's `metadata.user_id` is a JSON string holding a `session_id`; None otherwise."""
         meta = (self.model_extra or {}).get("metadata")
         raw = meta.get("user_id") if isinstance(meta, dict) else None
-        if not isinstance(raw, str):
+        if not isinstance(raw, str) or len(raw) > _USER_ID_MAX_CHARS:  # (none is anywhere near)
             return None
         try:
             parsed = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past Python's limit: not Claude Code's
             marker = "_session_"
-            return raw.split(marker, 1)[1] if marker in raw else None
-        value = parsed.get("session_id") if isinstance(parsed, dict) else None
-        return value if isinstance(value, str) else None
+            value = raw.split(marker, 1)[1] if marker in raw else None
+        else:
+            value = parsed.get("session_id") if isinstance(parsed, dict) else None
+        return session_or_none(value)
 
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: Annotated[int, Field(ge=1)]
-    stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
+    stop_sequences: Annotated[list[StopString], Field(max_length=16)] | None = None
     temperature: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None

@@ -259,13 +259,20 @@ def build_app(service: Any) -> FastAPI:
         created = await service.register_execution(execution_id, metadata)
         return JSONResponse(created, status_code=201)
 
-    @app.get("/gyre/executions/{execution_id}/records")
-    async def records(request: Request, execution_id: str) -> Response:
-        keys = _credentials(request)
-        if not any(service.is_admin(k) for k in keys):
+    async def require_admin_or_own(request: Request, execution_id: str) -> None:
+        if not any(service.is_admin(k) for k in _credentials(request)):
             own = await execution_of(request)
             if own != execution_id:
                 raise ApiError(403, "an execution's key may read only that execution's records")
+
+    @app.get("/gyre/executions/{execution_id}")
+    async def execution(request: Request, execution_id: str) -> Response:
+        await require_admin_or_own(request, execution_id)
+        return JSONResponse(await service.execution_summary(execution_id))
+
+    @app.get("/gyre/executions/{execution_id}/records")
+    async def records(request: Request, execution_id: str) -> Response:
+        await require_admin_or_own(request, execution_id)
         text = await service.records_jsonl(execution_id)
         return PlainTextResponse(text, media_type="application/x-ndjson")
 

@@ -76,19 +76,34 @@ class StreamOptions(Lenient):
     include_usage: bool = False
 
 
+# A stop string's longest length: the streamed text is held back by the longest suffix that may
+# start one, which is searched for on every batch of tokens (a 100,000-character stop string made
+# that quadratic in the output and stalled the replica's other calls for minutes).
+STOP_STRING_MAX_CHARS = 256
+StopString = Annotated[str, Field(max_length=STOP_STRING_MAX_CHARS)]
+NameText = Annotated[str, Field(max_length=256)]  # a model name or client id, copied into every record
+SESSION_MAX_CHARS = 256
+
+
+def session_or_none(value: object) -> str | None:
+    """A harness's session id as recorded with each call, or None: not a string, empty or longer
+    than `SESSION_MAX_CHARS` (an id, not a payload: it is copied into every record of the session)."""
+    return value if isinstance(value, str) and 0 < len(value) <= SESSION_MAX_CHARS else None
+
+
 class SamplingFields(Lenient):
     """Fields shared by chat and text completions."""
 
-    model: str
+    model: NameText
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=16)] | None = None
     seed: int | None = _SEED
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None
-    user: str | None = None
+    user: NameText | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -64,9 +64,12 @@ def canonical_arguments(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past Python's limit: compared as text)
             return arguments.strip()
-    return json.dumps(arguments, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return json.dumps(arguments, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    except (ValueError, RecursionError):
+        return repr(arguments)
 
 
 def assistant_key(content: str | None, tool_calls: list[dict[str, Any]] | None) -> str:

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from gyre_ray.proxy.errors import ApiError
 from gyre_ray.proxy.front import begin, complete, one_tool_call_stop, sampling_for, sse, validate
 from gyre_ray.proxy.generation import Generation, Outcome, ToolCallOut
+from gyre_ray.proxy.openai_schema import session_or_none
 from gyre_ray.proxy.responses_schema import ResponsesRequest
 from gyre_ray.proxy.roles import codex_role
 
@@ -105,7 +106,7 @@ def _status(outcome: Outcome) -> str:
 
 def session_of(headers: dict[str, str]) -> str | None:
     """The conversation a call belongs to: Codex's `session-id` (or `thread-id`), else none."""
-    return headers.get("session-id") or headers.get("thread-id") or None
+    return session_or_none(headers.get("session-id") or headers.get("thread-id"))
 
 
 async def responses(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:

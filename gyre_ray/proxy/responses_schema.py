@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from gyre_ray.proxy.errors import bad_request
-from gyre_ray.proxy.openai_schema import Lenient, dumps_arguments
+from gyre_ray.proxy.openai_schema import Lenient, NameText, dumps_arguments
 from gyre_ray.proxy.prompt import ChatPrompt, check_parameters_schema, check_tool_name
 
 ROLE_MAP = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
@@ -46,7 +46,7 @@ class FunctionTool(Lenient):
 
 
 class ResponsesRequest(Lenient):
-    model: str
+    model: NameText
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
@@ -103,8 +103,10 @@ class ResponsesRequest(Lenient):
             raise bad_request('tool_choice must be "none", "auto", "required" or an object', "tool_choice")
         if choice == "required" and not names:
             raise bad_request('tool_choice "required" needs function tools to choose from', "tool_choice")
-        if isinstance(choice, dict) and choice.get("type") == "function" and choice.get("name") not in names:
-            raise bad_request(f"tool_choice names {choice.get('name')!r}, not among the tools", "tool_choice")
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            name = choice.get("name")
+            if not isinstance(name, str) or name not in names:
+                raise bad_request(f"tool_choice names {name!r}, not among the tools", "tool_choice")
         return ChatPrompt(messages=messages, tools=tools, parse_tools=parse)
 
 
@@ -126,7 +128,12 @@ def _text(content: Any, where: str, field: str = "content") -> str:
             raise bad_request(
                 f"{at}.{j}: {kind} parts are not supported by this text-only policy", f"{at}.{j}"
             )
-        part = ContentPart.model_validate(raw)
+        try:
+            part = ContentPart.model_validate(raw)
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            field_at = ".".join(str(x) for x in problem["loc"])
+            raise bad_request(f"{at}.{j}.{field_at}: {problem['msg']}", f"{at}.{j}") from None
         texts.append(part.text if part.text is not None else part.refusal or "")
     return "\n".join(texts)
 
@@ -136,7 +143,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise bad_request(f"{where} must be an object", where)
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
-        role = ROLE_MAP.get(item.get("role"))
+        role = ROLE_MAP.get(item["role"]) if isinstance(item.get("role"), str) else None
         if role is None:
             raise bad_request(f"{where}.role must be user, system, developer or assistant", f"{where}.role")
         messages.append({"role": role, "content": _text(item.get("content"), where)})

@@ -99,7 +99,7 @@ def codex_role(headers: dict[str, str]) -> str | None:
         return None
     try:
         meta = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(meta, dict):
         return None

@@ -133,6 +133,15 @@ class ProxyService:
         self._cache_key(created["api_key"], created["execution_id"])
         return created
 
+    async def execution_summary(self, execution_id: str) -> dict[str, Any]:
+        """How many calls the store holds for the execution (pending ones handed over first), and
+        whether it is finished: what a runner asks when its harness ends, without reading every record."""
+        try:
+            info = await self.store_read("execution_info", execution_id)
+        except StoreError as exc:
+            raise ApiError(404, str(exc)) from None
+        return {"execution_id": execution_id, "records": info["num_records"], "finished": info["finished"]}
+
     async def records_jsonl(self, execution_id: str) -> str:
         try:
             return await self.store_read("records_jsonl", execution_id)

@@ -257,18 +257,22 @@ class TrajectoryStore:
         """Durable mode: each execution's new records in one append + fsync; splice keys likewise."""
         with self._lock:
             by_execution: dict[str, list[tuple[CallRecord, str | None]]] = {}
+            batch_ids: set[tuple[str, str]] = set()
             for record, splice_key in items:
                 ex = self._executions.get(record.execution_id)
                 if ex is None or ex.finished:
                     self._rejected += 1
-                elif record.call_id in ex.call_ids:
+                elif record.call_id in ex.call_ids or (ex.execution_id, record.call_id) in batch_ids:
                     self._duplicates += 1  # sent again after a store restart: already on file
                 else:
-                    ex.call_ids.add(record.call_id)
+                    batch_ids.add((ex.execution_id, record.call_id))
                     by_execution.setdefault(ex.execution_id, []).append((record, splice_key))
             for execution_id, added in by_execution.items():  # records_dir: made by the registry
                 ex = self._executions[execution_id]
+                # a failed append (a full disk) leaves the file as it was and raises to the caller,
+                # whose batch fails: its records are not booked, so the batch sent again is taken
                 store_files.append_records(self._path(ex), [r for r, _ in added], self.fsync, ex.chunks)
+                ex.call_ids.update(r.call_id for r, _ in added)
                 ex.spilled += len(added)
                 spliced = [(key, r) for r, key in added if key is not None and r.output_ids]
                 for key, record in spliced:

@@ -20,6 +20,7 @@ file is not read back: its `finish` line says how many records it holds, and not
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -61,11 +62,23 @@ def json_lines(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _append_lines(path: Path, lines: list[str], fsync: bool) -> None:
+    """Append whole lines or nothing: a short write (a full disk) is carried on, and a failed one is
+    cut back to where the file ended, so the file never holds a torn line followed by later ones
+    (which would make every later read of it fail) while the error goes to the caller."""
+    data = "".join(lines).encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        os.write(fd, "".join(lines).encode("utf-8"))
-        if fsync:
-            os.fsync(fd)
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
     finally:
         os.close(fd)
 
@@ -108,7 +121,9 @@ def append_records(path: Path, records: list[CallRecord], fsync: bool, chunks: s
     the chunks the file holds (updated; emptied first when the file is not there)."""
     if not path.exists():
         chunks.clear()
-    _append_lines(path, [line for record in records for line in record.to_file_lines(chunks)], fsync)
+    written = set(chunks)  # the file's chunks only once the write went through
+    _append_lines(path, [line for record in records for line in record.to_file_lines(written)], fsync)
+    chunks |= written
 
 
 def append_splice(records_dir: Path, execution_id: str, keys: list[tuple[str, str]], fsync: bool) -> None:

@@ -120,11 +120,17 @@ class TextAssembler:
         return out
 
     def _partial_suffix(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string or marker."""
-        longest = 0
+        """Length of the longest suffix of the text that is a proper prefix of a stop string or marker.
+
+        Only the places in the text's last len(s) - 1 characters that hold s's first character are
+        tried, longest suffix first (called on every batch of tokens)."""
+        text, longest = self.text, 0
         for s in self.stop_strings + self.markers:
-            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:n]):
-                    longest = n
+            start = len(text) - min(len(s) - 1, len(text))
+            at = text.find(s[0], start)
+            while at != -1 and len(text) - at > longest:
+                if s.startswith(text[at:]):
+                    longest = len(text) - at
                     break
+                at = text.find(s[0], at + 1)
         return longest

@@ -88,7 +88,11 @@ class SchedulerReattach:
         reset = self._reset_cells()
         booked = self._rebook(state)
         if recovered_update:  # the core stepped; the old scheduler died before the publish was journaled
-            metrics = {"step": self.updates, "recovered_after_scheduler_restart": True}
+            metrics = {
+                "step": self.updates,
+                "version": self.trainer_version,
+                "recovered_after_scheduler_restart": True,
+            }
             self.journal.published(self.updates, self.trainer_version, metrics)
             self.step_metrics.append(metrics)
             self.updates += 1

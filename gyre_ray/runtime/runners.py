@@ -155,8 +155,33 @@ def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> str
             time.sleep(0.2)
 
 
+RUNNER_PROBE_EVERY_S = 5.0  # how often a runner known dead is asked whether Ray has it back
+
+
 class RunnerRecovery:
-    """Executions whose executor (a runner actor or `workers`) died, started again (a part of `RunScheduler`)."""
+    """Executions whose executor (a runner actor or `workers`) died, started again (a part of `RunScheduler`).
+
+    A runner that died is left out of the choice (`lost_runners`) until it answers again: Ray starts
+    it again, and from then on it takes executions as before (`_probe_lost_runners`)."""
+
+    def _probe_lost_runners(self) -> None:
+        """Ask each runner known dead, at most every `RUNNER_PROBE_EVERY_S`, whether it is back."""
+        now = time.monotonic()
+        asked = set(self.runner_probes.values())
+        for runner in self.lost_runners - asked:
+            if self.runner_probe_due.get(runner, 0.0) <= now:
+                self.runner_probes[self.runners[runner].node_ip.remote()] = runner
+
+    def _runner_probed(self, ref: Any, runner: int) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError:  # still down (or restarting): ask again later
+            self.runner_probe_due[runner] = time.monotonic() + RUNNER_PROBE_EVERY_S
+            return
+        self.lost_runners.discard(runner)
 
     def _runner_lost(self, run: Any) -> None:
         """The executor of execution `run` died with it in flight (`run.runner`; None: `workers`): start

@@ -33,7 +33,7 @@ import ray
 from gyre_ray.agents.launch import PlannedExecution, plan_step, run_planned_execution
 from gyre_ray.agents.runner import Endpoint
 from gyre_ray.config import GyreConfig
-from gyre_ray.evaluation import split_tasks
+from gyre_ray.evaluation import check_tasks_per_step
 from gyre_ray.proxy.store import actor_was_restarted
 from gyre_ray.runtime.groups import GroupResult
 from gyre_ray.runtime.journal import RunJournal
@@ -151,10 +151,12 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         self.faults = []
         self.runner_losses: list[dict[str, Any]] = []
         self.lost_runners: set[int] = set()
+        self.runner_probes: dict[Any, int] = {}  # is a dead runner back? (`_probe_lost_runners`)
+        self.runner_probe_due: dict[int, float] = {}
         for i, view in enumerate(self.views):
             view.enter(CellPhase.TO_ROLLOUT if self._restarting(i) else CellPhase.ROLLOUT, 0.0)
             view.return_requested = False
-        tasks = split_tasks(cfg)[0]  # the held-out evaluation tasks are never trained on
+        tasks = check_tasks_per_step(cfg)  # the held-out evaluation tasks are never trained on
         self.first_step, self.checkpoint_every = first_step, checkpoint_every
         self.planned: list[PlannedExecution] = []
         batch_of: list[int] = []
@@ -187,7 +189,8 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         self.update: Update | None = None
         self.updates = first_step
         published = getattr(self, "weights", None), getattr(self, "trainer_version", None)
-        self.trainer_version = int(ray.get(self.actors[self.core].trainer_version.remote(), timeout=60))
+        # (settled: an optimizer step a dead scheduler left under way ends first)
+        self.trainer_version = int(ray.get(self.actors[self.core].settled_version.remote(), timeout=600))
         self.engine_version = [self.trainer_version] * len(self.views)
         self.sat_version = [self.trainer_version] * len(self.views)
         if published[0] is not None and published[1] == self.trainer_version:
@@ -217,8 +220,9 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
             self._feed_trainers()
             self._maybe_update()
             self.live.tick(self)
+            self._probe_lost_runners()
             refs = [*self.running, *self.switches, *self.micro, *self.jobs, *self.imports, *self.syncs]
-            refs += list(self.restarts)
+            refs += [*self.restarts, *self.runner_probes]
             if self.update is not None:
                 refs += list(self.update.refs)
             if not refs:  # only the cells' watches: look at them, then decide again soon
@@ -450,6 +454,8 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         elif ref in self.syncs:
             ray.get(ref)
             self.syncs.pop(ref)
+        elif ref in self.runner_probes:
+            self._runner_probed(ref, self.runner_probes.pop(ref))
         elif self.update is not None and ref in self.update.refs:
             self._update_progress(ref)
 
@@ -514,15 +520,18 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
                 if not view.is_core:
                     self.sat_version[index] = result["version"]
                 if not view.is_core and self.sat_version[index] < self.trainer_version:
-                    return self._stage_two(switch, self.actors[index].load_trainer_weights.remote(
-                        self.weights, self.trainer_version))  # fmt: skip
+                    return self._load_trainer(switch)
             else:
                 self.engine_version[index] = result["version"]
                 return self._catch_up(switch)
         elif switch.direction == "to_train":
-            self.sat_version[index] = self.trainer_version
+            self.sat_version[index] = switch.version
+            if self.sat_version[index] < self.trainer_version:  # published during the load: again
+                return self._load_trainer(switch)
         elif switch.stage == 2:  # a returning cell loaded a version published during its switch
             self.engine_version[index] = int(result.get("engine", {}).get("version", switch.version))
+            return self._catch_up(switch)
+        elif self.engine_version[index] < self.trainer_version:  # undrained as a version was published
             return self._catch_up(switch)
         now = self._now()
         seconds = now - switch.since
@@ -543,13 +552,24 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         switch.stage = 2
         self.switches[ref] = switch
 
+    def _load_trainer(self, switch: Switch) -> None:
+        """A satellite switching to training loads the published version (stage 2)."""
+        switch.version = self.trainer_version
+        ref = self.actors[switch.cell].load_trainer_weights.remote(self.weights, self.trainer_version)
+        self._stage_two(switch, ref)
+
     def _catch_up(self, switch: Switch) -> None:
-        """A cell coming back to rollout serves only once it holds the published version: load it
-        (again, if an update was published meanwhile; stage 2), then undrain (stage 3)."""
+        """A cell coming back to rollout serves only once it holds the published version, or the one
+        being published: load it (again, if an update was published meanwhile; stage 2), then
+        undrain (stage 3)."""
         actor = self.actors[switch.cell]
-        if self.engine_version[switch.cell] < self.trainer_version:
-            switch.version = self.trainer_version
-            return self._stage_two(switch, actor.update_weights.remote(self.weights, self.trainer_version))
+        weights, version = self.weights, self.trainer_version
+        update = self.update
+        if update is not None and update.stage == "publish" and update.version > version:
+            weights, version = update.weights, update.version  # serving resumes on the new weights
+        if self.engine_version[switch.cell] < version:
+            switch.version = version
+            return self._stage_two(switch, actor.update_weights.remote(weights, version))
         switch.stage = 3
         self.switches[actor.undrain.remote()] = switch
 

@@ -55,7 +55,9 @@ class UpdateStages:
         result = ray.get(ref)
         update.refs.discard(ref)
         self._merged(ref)
-        self.ref_cell.pop(ref, None)
+        cell = self.ref_cell.pop(ref, None)
+        if update.stage == "publish" and cell is not None:
+            update.holds.add(cell)
         if update.stage == "step":
             update.metrics = result
         if not update.refs:
@@ -64,7 +66,7 @@ class UpdateStages:
     def _next_stage(self) -> None:
         update = self.update
         now = self._now()
-        update.times[update.stage] = now - update.stage_since
+        update.times[update.stage] = update.times.get(update.stage, 0.0) + now - update.stage_since
         update.stage_since = now
         core = self.actors[self.core]
         if update.stage == "grads":
@@ -82,25 +84,18 @@ class UpdateStages:
                 update.weights = self.weights
                 return self._next_stage()
             update.weights = core.publish_weights.remote()  # one ticket: every cell fetches it
-            for i, view in enumerate(self.views):
-                if view.phase is CellPhase.ROLLOUT:
-                    ref = self.actors[i].update_weights.remote(update.weights, update.version)
-                elif view.phase is CellPhase.TRAIN_IDLE and not view.is_core:
-                    ref = self.actors[i].load_trainer_weights.remote(update.weights, update.version)
-                else:
-                    continue
-                update.refs.add(ref)
-                self.ref_cell[ref] = i
-            if update.refs:
+            if self._publish_to(update):
                 return
             return self._next_stage()
+        if self._publish_to(update):  # a cell came back from a switch or a restart meanwhile
+            return
         # published: every serving engine and idle trainer holds the new version
         self.weights, self.trainer_version = update.weights, update.version
-        for i, view in enumerate(self.views):
-            if view.phase is CellPhase.ROLLOUT:
-                self.engine_version[i] = update.version
-            elif view.phase is CellPhase.TRAIN_IDLE and not view.is_core:
+        for i in update.holds:
+            if self.views[i].phase is CellPhase.TRAIN_IDLE:
                 self.sat_version[i] = update.version
+            else:
+                self.engine_version[i] = update.version
         self.update = None
         self.updates += 1
         metrics = self.recorder.step_done(self, update, now)
@@ -114,6 +109,33 @@ class UpdateStages:
         self.journal.published(update.batch, update.version, metrics)
         self.live.step_done(metrics)
         self.live.poll_engines(self)
+
+    def _publish_to(self, update: Update) -> bool:
+        """Send the version in publish to every cell that must hold it and does not: serving engines
+        (a returning cell once its undrain is under way: it serves at the undrain's return) and idle
+        training satellites. A cell whose switch or restart ended during the publish was sent
+        nothing; it is sent the version now, and the version is published only once it holds it
+        too. Returns whether anything was sent (the stage then waits for it)."""
+        undraining = {s.cell for s in self.switches.values() if s.direction == "to_rollout" and s.stage == 3}
+        for i, view in enumerate(self.views):
+            if i in update.holds:
+                continue
+            serving = view.phase is CellPhase.ROLLOUT or (
+                view.phase is CellPhase.TO_ROLLOUT and i in undraining
+            )
+            if serving and self.engine_version[i] < update.version:
+                ref = self.actors[i].update_weights.remote(update.weights, update.version)
+            elif (
+                view.phase is CellPhase.TRAIN_IDLE
+                and not view.is_core
+                and self.sat_version[i] < update.version
+            ):
+                ref = self.actors[i].load_trainer_weights.remote(update.weights, update.version)
+            else:
+                continue
+            update.refs.add(ref)
+            self.ref_cell[ref] = i
+        return bool(update.refs)
 
     def _refit_duration_prior(self) -> dict[str, Any]:
         """`elastic_duration_prior: auto`: fit the run's ended executions, and the sibling order uses the fit

@@ -69,3 +69,4 @@ class Update:
     metrics: dict[str, Any] = field(default_factory=dict)
     weights: Any = None
     version: int = 0
+    holds: set[int] = field(default_factory=set)  # cells that loaded `version` during "publish"

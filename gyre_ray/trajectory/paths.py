@@ -4,7 +4,8 @@ A path's role is the highest-priority role among the calls that end on it
 (main > main-summary > sub-agent > sub-agent-summary). Only paths with loss tokens (something the
 model generated) are candidates, unless none has any. The *main path* (the candidate holding the
 last main call to finish) is always kept; the other candidates follow by role priority, then by
-the configured tie-break, until `budget` paths are chosen.
+the configured tie-break, each only if it adds loss tokens no path kept so far holds, until
+`budget` paths are chosen.
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def select_paths(
 
     A path without loss tokens (say, the main agent's last call, cut off at the timeout before it
     generated anything, on a path of its own) trains nothing, so it takes no place while any path
-    has loss tokens.
+    has loss tokens; nor does one whose loss tokens are all on paths already kept (a call aborted
+    before it generated anything, hanging off the main context, counts the main context's tokens
+    as its own).
     """
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
@@ -106,4 +109,14 @@ def select_paths(
         (p for p in candidates if p is not first),
         key=lambda p: (ROLE_PRIORITY.get(p.role, len(ROLE_PRIORITY)), *_tie_key(p, tie_break)),
     )
-    return [first, *rest[: budget - 1]]
+    if first.num_loss_tokens == 0:  # nothing to train anywhere: the order alone
+        return [first, *rest[: budget - 1]]
+    chosen, covered = [first], {node.id for node in first.nodes}
+    for path in rest:
+        if len(chosen) == budget:
+            break
+        if not any(node.id not in covered and any(node.loss) for node in path.nodes):
+            continue  # every token it would train is on a path already kept: it would take a place for nothing
+        chosen.append(path)
+        covered.update(node.id for node in path.nodes)
+    return chosen

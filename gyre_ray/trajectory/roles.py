@@ -107,6 +107,12 @@ class _SeedFinder:
         """The candidates whose output appears in call h's prompt."""
         return [c for c in candidates if self._appears(self.calls[c].output_ids, h)]
 
+    def in_history(self, h: int, candidates: list[int]) -> list[int]:
+        """Seeds of h re-rendered in place: the call's prompt end directly precedes its output in h's
+        prompt (its own turn is part of the history h holds; a sub-agent's answer handed back as a
+        tool result is not)."""
+        return [c for c in self.seeds(h, candidates) if c not in self.summaries(h, [c])]
+
     def summaries(self, h: int, candidates: list[int]) -> list[int]:
         """Seeds of h that appear without their own turn's context: h holds their output, not a
         re-rendered history in which the call's prompt end directly precedes its output."""
@@ -217,7 +223,10 @@ def classify_roles(
         else:
             owner = [c for c in sources.get(h, []) if is_summary[c]]
             if not owner and is_summary[h]:  # a compaction with its own prompt: whose history is it?
-                owner = finder.seeds(h, list(range(h)))
+                # the latest call whose own turn it re-renders (a sub-agent's answer, handed back as a
+                # tool result just before, is the latest output in it, but not its history)
+                earlier = list(range(h))
+                owner = finder.in_history(h, earlier) or finder.seeds(h, earlier)
             thread_role[h] = thread_role[thread[owner[-1]]] if owner else "sub-agent"
     return [
         thread_role[thread[i]] + ("-summary" if is_summary[i] else "") if role == "unknown" else role
