@@ -55,3 +55,18 @@ def test_a_run_folder_without_records_is_one_line_with_a_hint(
         "records/ folder: give the folder of call records (proxy.records_dir) or one <execution_id>.jsonl"
     )
     assert "missing field" not in err
+
+
+def test_a_run_folder_is_shown_with_the_runs_own_trajectory_settings(
+    run_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Training selects with the run's `trajectory` section and its tokenizer's decode; `traj show RUN_DIR`
+    used the defaults, so it could show another selection than the one trained."""
+    (run_dir / "config.json").write_text(json.dumps({"model": {}, "trajectory": {"budget": 2}}))
+    assert main(["traj", "show", str(run_dir), "--execution", "a", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["budget"] == 2 and shown["executions"][0]["paths_selected"] <= 2
+    assert main(["traj", "show", str(run_dir), "--execution", "a", "--json", "--budget", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"] == 4  # the flag still wins
+    assert main(["traj", "show", str(run_dir / "records"), "--execution", "a", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"] == 5  # a records folder alone: the defaults

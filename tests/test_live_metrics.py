@@ -28,3 +28,27 @@ def test_tokens_decoded_before_the_first_poll_are_counted_and_a_restart_counts_f
     live.count_generated([_status("cell-0", 100), _status("cell-1", 7)])
     live.count_generated([_status("cell-0", 100), _status("cell-1", 3)])  # cell-1 restarted: a new engine
     assert live.metrics.generated == {"cell-0": 100, "cell-1": 10}
+
+
+def test_a_cell_being_restarted_is_not_asked(monkeypatch) -> None:
+    """Its engine is built with its event loop held: asking it held the scheduler's loop 5 s a poll."""
+    from types import SimpleNamespace
+
+    import ray
+
+    asked: list[int] = []
+
+    def cell(index: int) -> SimpleNamespace:
+        def remote() -> dict[str, Any]:
+            asked.append(index)
+            return {"cell_id": f"cell-{index}", "engine": {"decode_tokens": 5, "waiting": 0}}
+
+        return SimpleNamespace(status=SimpleNamespace(remote=remote))
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: list(refs))
+    sched = SimpleNamespace(actors=[cell(0), cell(1), cell(2)], _restarting=lambda i: i == 1)
+    live = LiveMetrics()
+    live.metrics = RecordingMetrics()
+    live.poll_engines(sched)
+    assert asked == [0, 2] and sorted(live.waiting_calls) == [0, 2]
+    assert live.metrics.generated == {"cell-0": 5, "cell-2": 5}

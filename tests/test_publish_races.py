@@ -64,6 +64,7 @@ def scheduler(phases: list[CellPhase], monkeypatch: pytest.MonkeyPatch) -> tuple
     sched.costs = Costs()
     sched.updates, sched.steps, sched.checkpoint_every = 1, 3, 0
     sched.step_metrics = []
+    sched.streams = {}
     sched.cfg = SimpleNamespace(scheduler=SimpleNamespace(fits_duration_prior=False))
     sched.recorder = SimpleNamespace(
         phase=lambda index, view, phase, now: view.enter(phase, now), switched=lambda *a: None, drains=[],
@@ -148,3 +149,19 @@ def test_a_satellite_loading_an_older_version_loads_again(monkeypatch) -> None:
     assert calls[-1] == Call(2, "load_trainer_weights", 2) and sched.sat_version[2] == 1
     sched._switch_done(calls[-1], going)
     assert sched.sat_version[2] == 2 and sched.views[2].phase is CellPhase.TRAIN_IDLE
+
+
+def test_a_published_steps_micro_batches_leave_the_object_store_two_steps_later(monkeypatch) -> None:
+    """Every step's micro-batches stayed referenced (in Ray's object store) for the whole run."""
+    from gyre_ray.runtime.stream import MicroBatchStream
+
+    sched, _ = scheduler([CellPhase.TRAIN_IDLE, CellPhase.TRAIN_IDLE], monkeypatch)
+    sched.update = Update(2, "step", 0.0, metrics={"version": 2})
+    for batch in (0, 1, 2):
+        sched.streams[batch] = MicroBatchStream()
+        sched.streams[batch].put(f"batch-{batch}-ref", ["e"])
+    for ref in publish(sched):  # the satellite loads version 2
+        finish(sched, ref)
+    assert sched.update is None and sched.trainer_version == 2
+    assert [item.ref for item in sched.streams[0].items] == [None] and sched.streams[0].released
+    assert [item.ref for b in (1, 2) for item in sched.streams[b].items] == ["batch-1-ref", "batch-2-ref"]

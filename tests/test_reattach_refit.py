@@ -89,3 +89,22 @@ def test_the_row_of_an_update_the_dead_scheduler_did_not_journal_carries_its_ver
     sched._reattach(journal(published=1))
     row = sched.step_metrics[-1]
     assert row["recovered_after_scheduler_restart"] and (row["step"], row["version"]) == (1, 2)
+
+
+def test_a_restarted_actor_without_this_runs_journal_journals_a_cell_its_reset_finds_dead(
+    tmp_path, monkeypatch
+) -> None:
+    """The reset of the cells ran before the journal existed: a dead cell found there (journaled as a
+    fault) raised AttributeError, or wrote into the previous run's closed journal."""
+    from gyre_ray.runtime import reattach
+    from gyre_ray.runtime.journal import RunJournal
+    from gyre_ray.runtime.scheduler import RunScheduler
+
+    monkeypatch.setattr(reattach, "actor_was_restarted", lambda: True)
+    sched = RunScheduler.__new__(RunScheduler)
+    sched.run_dir = tmp_path
+    sched._reset_cells = lambda: sched.journal.fault({"cell": "cell-1", "lost": "ActorDiedError"})
+    header = {"steps": 2, "first_step": 0, "tag": ""}
+    assert sched._open_journal(header, 0) is None  # no journal of this run: a new one
+    sched.journal.close()
+    assert RunJournal.read(tmp_path).faults == [{"cell": "cell-1", "lost": "ActorDiedError"}]

@@ -40,7 +40,8 @@ class GroupResult:
 
 
 @functools.lru_cache(maxsize=4)
-def _decoder(model_json: str) -> Any:
+def model_decoder(model_json: str) -> Any:
+    """(decode, vocab size) of the tokenizer of a `model` section given as sorted JSON (cached)."""
     import json
 
     from gyre_ray.model import load_tokenizer_and_args
@@ -124,7 +125,7 @@ def process_group(
     from gyre_ray.trajectory.pipeline import training_batches_with_stats
 
     cfg = GyreConfig.model_validate(cfg_json)
-    decode, vocab_size = _decoder(json.dumps(cfg_json["model"], sort_keys=True))
+    decode, vocab_size = model_decoder(json.dumps(cfg_json["model"], sort_keys=True))
     ids = [o["execution_id"] for o in outcomes]
     if proxy is not None:
         paths = finish_through_proxy(proxy, ids)

@@ -69,8 +69,13 @@ class LiveMetrics:
     def _generated(self, sched: Any) -> None:
         import ray
 
-        statuses = ray.get([a.status.remote() for a in sched.actors], timeout=5)
-        self.waiting_calls = {i: _beyond_slots(s.get("engine", {})) for i, s in enumerate(statuses)}
+        # a cell being restarted builds its engine with its event loop held (or waits for its bundle):
+        # asking it would hold the scheduler's loop for the whole timeout at every poll
+        cells = [i for i in range(len(sched.actors)) if not sched._restarting(i)]
+        statuses = ray.get([sched.actors[i].status.remote() for i in cells], timeout=5)
+        self.waiting_calls = {
+            i: _beyond_slots(s.get("engine", {})) for i, s in zip(cells, statuses, strict=True)
+        }
         self.count_generated(statuses)
 
     def count_generated(self, statuses: list[dict[str, Any]]) -> None:

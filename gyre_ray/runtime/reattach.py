@@ -55,9 +55,9 @@ class SchedulerReattach:
         restarted = actor_was_restarted()
         state = RunJournal.replay(self.run_dir, header) if restarted else None
         if state is None:
-            if restarted:  # died before this run's journal began: the cells may be mid-switch
-                self._reset_cells()
             self.journal = RunJournal.begin(self.run_dir, header, version, getattr(self, "call", None))
+            if restarted:  # died before this run's journal began: the cells may be mid-switch (a cell
+                self._reset_cells()  # found dead there is journaled as a fault: the journal comes first)
             return None
         self.journal = RunJournal.resume(self.run_dir)
         return state

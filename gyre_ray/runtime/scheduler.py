@@ -50,7 +50,7 @@ from gyre_ray.runtime.runners import (
     wait_until_answering,
 )
 from gyre_ray.runtime.stream import MicroBatchStream
-from gyre_ray.runtime.updates import UpdateStages
+from gyre_ray.runtime.updates import KEEP_MICRO_BATCHES, UpdateStages
 from gyre_ray.runtime.work import GroupJob, MicroStep, RunningExecution, Switch, Update
 from gyre_ray.scheduling.config import SchedulerSection
 from gyre_ray.scheduling.runtime import (
@@ -666,5 +666,12 @@ class SchedulerActor:
         return self.scheduler.recorder.trace(self.scheduler)
 
     def micro_batches(self, batch: int) -> list[Any]:
-        """The micro-batches of step `batch` of the last run, in queue order (to check or replay an update)."""
-        return ray.get([item.ref for item in self.scheduler.streams[batch].items])
+        """The micro-batches of step `batch` of the last run, in queue order (to check or replay an
+        update); only the last `KEEP_MICRO_BATCHES` published steps keep theirs."""
+        stream = self.scheduler.streams[batch]
+        if stream.released:
+            raise ValueError(
+                f"the micro-batches of step {batch} were released once step {batch + KEEP_MICRO_BATCHES} "
+                f"was published (the last {KEEP_MICRO_BATCHES} published steps keep theirs)"
+            )
+        return ray.get([item.ref for item in stream.items])

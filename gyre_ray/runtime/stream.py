@@ -34,6 +34,7 @@ class MicroBatchStream:
         self.items: list[QueuedMicroBatch] = []
         self._unclaimed: deque[int] = deque()
         self.sealed = False
+        self.released = False
 
     def put(self, ref: Any, execution_ids: Iterable[str]) -> int:
         """Queue a micro-batch; returns its index."""
@@ -110,6 +111,13 @@ class MicroBatchStream:
         if not executions:
             raise ValueError("no executions in this step's micro-batches; nothing to scale")
         return 1.0 / len(executions)
+
+    def release(self) -> None:
+        """Drop the micro-batches' data (their object refs, which keep them in Ray's object store):
+        the step is published and long past; its bookkeeping stays."""
+        for item in self.items:
+            item.ref = None
+        self.released = True
 
     def trained_by_cell(self) -> dict[str, int]:
         """Micro-batches trained per cell."""

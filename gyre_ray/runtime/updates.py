@@ -27,6 +27,8 @@ import ray
 from gyre_ray.runtime.work import Update
 from gyre_ray.scheduling.runtime import CellPhase, fit_ended_durations, policy_from_section
 
+KEEP_MICRO_BATCHES = 2  # published steps whose micro-batches stay in the object store (to check or replay)
+
 
 class UpdateStages:
     """The update stages of `RunScheduler` (see the module docstring)."""
@@ -98,6 +100,9 @@ class UpdateStages:
                 self.engine_version[i] = update.version
         self.update = None
         self.updates += 1
+        past = self.streams.get(update.batch - KEEP_MICRO_BATCHES)
+        if past is not None:  # an hours-long run would keep every step's batches in the object store
+            past.release()
         metrics = self.recorder.step_done(self, update, now)
         if self.cfg.scheduler.fits_duration_prior:
             metrics["duration_model"] = self._refit_duration_prior()

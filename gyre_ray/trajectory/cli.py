@@ -111,6 +111,38 @@ def list_executions(folder: Path, executions: dict[str, list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _run_config(run_dir: Path) -> dict:
+    """The run folder's config.json as saved (empty when it does not read)."""
+    try:
+        loaded = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _run_trajectory(run_json: dict) -> Any:
+    """The run's `trajectory` section (the defaults when there is no run or it does not validate)."""
+    from gyre_ray.trajectory.config import TrajectorySection
+
+    try:
+        return TrajectorySection.model_validate(run_json.get("trajectory") or {})
+    except ValueError:
+        return TrajectorySection()
+
+
+def _run_decoder(run_json: dict) -> Any:
+    """The run's tokenizer's decode, which training gives the role classifier and the re-encoding
+    check (None without a run, or where its model's tokenizer does not load here)."""
+    if "model" not in run_json:
+        return None
+    from gyre_ray.runtime.groups import model_decoder
+
+    try:
+        return model_decoder(json.dumps(run_json["model"], sort_keys=True))[0]
+    except Exception:  # noqa: BLE001 - a model folder of another machine: shown without text checks
+        return None
+
+
 def _fail(message: str) -> int:
     print(f"gyre-ray traj show: {message}", file=sys.stderr)
     return 2
@@ -123,19 +155,23 @@ def _show(args: argparse.Namespace) -> int:
 
     if args.budget is not None and args.budget < 1:
         return _fail(f"--budget must be an integer >= 1, got {args.budget}")
-    defaults = TrajectorySection()
-    cfg = TrajectorySection(
-        budget=args.budget if args.budget is not None else defaults.budget,
-        tie_break=args.tie_break or defaults.tie_break,
-    )
     given = Path(args.records)  # a records file, or a folder of them
+    run_json: dict = {}
     if given.is_dir() and (run_files := job_files(given)):  # a run folder, not its records/
         if not (given / "records").is_dir():
             return _fail(
                 f"{given} is a run folder ({', '.join(run_files)}) with no records/ folder: give the "
                 "folder of call records (proxy.records_dir) or one <execution_id>.jsonl"
             )
+        run_json = _run_config(given)
         given = given / "records"  # what it meant (error messages and the listing name it)
+    defaults = _run_trajectory(run_json)  # a run folder: its own settings, as training used them
+    cfg = TrajectorySection(
+        budget=args.budget if args.budget is not None else defaults.budget,
+        tie_break=args.tie_break or defaults.tie_break,
+        **{k: v for k, v in defaults.model_dump().items() if k not in ("budget", "tie_break")},
+    )
+    decode = _run_decoder(run_json)
     sources = [given]
     if given.is_dir():
         files = record_files(given)
@@ -165,7 +201,7 @@ def _show(args: argparse.Namespace) -> int:
             return _fail(f"no execution {args.execution!r} (have: {', '.join(sorted(executions))})")
         executions = {args.execution: executions[args.execution]}
     try:  # records that are each valid may still contradict each other (e.g. a repeated call_id)
-        processed = [process_execution(records, cfg) for records in executions.values()]
+        processed = [process_execution(records, cfg, decode=decode) for records in executions.values()]
     except RecordError as exc:
         return _fail(f"{given}: {exc}")
     if args.json:
