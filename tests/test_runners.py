@@ -179,3 +179,33 @@ def _raise_or(value: object) -> object:
     if isinstance(value, BaseException):
         raise value
     return value
+
+
+def test_starting_again_skips_an_id_a_dead_scheduler_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler that died between registering `r1.<id>` and journaling its launch left that id
+    registered: the next start takes `r2.<id>` (revoking `r1.<id>`'s key) instead of failing the run."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from gyre_ray.runtime.runners import register_again
+
+    registered = {"r1.s0-t-0"}
+    finished: list[str] = []
+
+    def register(execution_id: str, metadata: dict) -> object:
+        if execution_id in registered:
+            return RuntimeError(f"execution {execution_id!r} is already registered")
+        registered.add(execution_id)
+        return {"api_key": f"gyre-{execution_id}", "metadata": metadata}
+
+    monkeypatch.setattr(ray, "get", lambda value, **_: _raise_or(value))
+    store = SimpleNamespace(
+        register=SimpleNamespace(remote=register),
+        finish_execution=SimpleNamespace(remote=finished.append),
+    )
+    assert register_again(store, "s0-t-0", {"task_id": "t"}) == ("r2.s0-t-0", "gyre-r2.s0-t-0")
+    assert finished == ["s0-t-0", "r1.s0-t-0"]
+    registered.update({"r3.x", "r4.x"})
+    with pytest.raises(RuntimeError, match="already registered"):  # bounded as any start is
+        register_again(store, "r2.x", {"task_id": "t"})

@@ -132,8 +132,17 @@ def register_again(store: Any, execution_id: str, metadata: dict[str, Any]) -> t
 
     store.finish_execution.remote(execution_id)
     again = relaunch_id(execution_id)
-    registered = store.register.remote(again, {**metadata, "relaunch_of": execution_id})
-    return again, ray.get(registered, timeout=60)["api_key"]
+    while True:
+        registered = store.register.remote(again, {**metadata, "relaunch_of": execution_id})
+        try:
+            return again, ray.get(registered, timeout=60)["api_key"]
+        except Exception as exc:
+            # registered by a scheduler that died before it journaled the launch: that id is spent
+            # (its harness, if it started, has its key revoked here) and the next one is taken
+            if "already registered" not in str(exc) or starts_of(again) >= MAX_STARTS:
+                raise
+            store.finish_execution.remote(again)
+            again = relaunch_id(again)
 
 
 def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> str:
