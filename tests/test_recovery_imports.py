@@ -1,7 +1,9 @@
-"""A satellite that dies after exporting its gradients, before the core fetched them (no Ray: the
-scheduler's recovery steps driven by hand). The core's import then fails with the transfer's own
-error (the object the satellite owned is gone), which is not a cell loss by its type: the run used
-to stop there, though the module's promise is that such micro-batches are trained again."""
+"""Satellites lost where the run used to stop (no Ray: the scheduler's recovery steps driven by hand).
+
+One that dies after exporting its gradients, before the core fetched them: the core's import then
+fails with the transfer's own error (the object the satellite owned is gone), which is not a cell
+loss by its type, though the recovery module's promise is that such micro-batches are trained
+again. And one that dies on its way back to rollout after the last step."""
 
 from __future__ import annotations
 
@@ -74,3 +76,32 @@ def test_the_micro_batches_a_dead_satellites_failed_import_carried_are_trained_a
     sched, stream = recovery(monkeypatch, satellite_alive=False)
     assert CellRecovery._requeue_lost_work(sched, 1) == 2
     assert stream.untrained == [0, 1] and not sched.import_of and not sched.imports
+
+
+def test_a_satellite_lost_while_the_cells_settle_after_the_last_step_costs_no_result(monkeypatch) -> None:
+    """Every step was done when a training satellite died on its way back to rollout: `run` raised
+    and the run's result was lost. Now the cell is recovered as any lost cell and the run returns."""
+    from gyre_ray.runtime.scheduler import RunScheduler
+    from gyre_ray.scheduling.runtime import CellPhase, CellView
+
+    calls: list[str] = []
+
+    def cell(name: str) -> SimpleNamespace:
+        return SimpleNamespace(switch_to_rollout=SimpleNamespace(remote=lambda *a: name))
+
+    def get(ref: Any, **_: Any) -> Any:
+        if ref == "sat":
+            raise ActorDiedError()
+        return {}
+
+    monkeypatch.setattr(ray, "get", get)
+    sched = RunScheduler.__new__(RunScheduler)
+    sched.views = [CellView("cell-0", 0, phase=CellPhase.TRAIN_IDLE, is_core=True),
+                   CellView("cell-1", 1, phase=CellPhase.TRAIN_IDLE)]  # fmt: skip
+    sched.actors = [cell("core"), cell("sat")]
+    sched.core, sched.weights, sched.trainer_version, sched.t0 = 0, "w", 3, 0.0
+    sched.switches, sched.syncs, sched.imports, sched.restarts = {}, {}, set(), {}
+    sched._settle_restarts = lambda: calls.append("settle restarts")
+    sched._cell_lost = lambda index, why: calls.append(f"lost {index}: {why}")
+    sched._settle()
+    assert calls == ["settle restarts", "lost 1: ActorDiedError (after the last step)", "settle restarts"]

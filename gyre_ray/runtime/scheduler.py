@@ -40,7 +40,7 @@ from gyre_ray.runtime.journal import RunJournal
 from gyre_ray.runtime.live_metrics import LiveMetrics
 from gyre_ray.runtime.reattach import SchedulerReattach
 from gyre_ray.runtime.recorder import RunRecorder
-from gyre_ray.runtime.recovery import CellRecovery
+from gyre_ray.runtime.recovery import CellRecovery, is_cell_loss
 from gyre_ray.runtime.run_keeper import RunKeeper, run_key
 from gyre_ray.runtime.runners import (
     WORKERS_NAME,
@@ -254,14 +254,24 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
             if not ready:
                 raise TimeoutError("cells did not finish their switches within 300 s")
             self._finished(ready[0])
-        refs = []
+        refs = {}
         for i, view in enumerate(self.views):
             if view.role is Role.TRAIN:
                 weights = None if view.is_core else self.weights
-                refs.append(self.actors[i].switch_to_rollout.remote(weights, self.trainer_version))
+                refs[i] = self.actors[i].switch_to_rollout.remote(weights, self.trainer_version)
             if not self._restarting(i):
                 view.enter(CellPhase.ROLLOUT, self._now())
-        ray.get(refs, timeout=300)
+        lost = False
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=300)
+            except Exception as exc:  # every step is done: a satellite lost now costs no result
+                if not is_cell_loss(exc):
+                    raise
+                self._cell_lost(i, f"{type(exc).__name__} (after the last step)")  # (the core: CoreLostError)
+                lost = True
+        if lost:
+            self._settle_restarts()
 
     def _now(self) -> float:
         return time.monotonic() - self.t0
