@@ -55,9 +55,8 @@ def drive(
                 metrics = shift_step(metrics, offset)
                 logger.log(metrics["step"], metrics)
                 print(f"gyre-ray: step {metrics['step']}: {format_step(metrics)}", flush=True)
-                version = int(
-                    metrics.get("version", version)
-                )  # (a row a restarted scheduler wrote may lack it)
+                # (a row a restarted scheduler wrote before rows carried it may lack it)
+                version = int(metrics.get("version", version))
                 if evaluator is not None and eval_due(metrics["step"] + 1, every, cfg.run.steps):
                     evaluator.start(metrics["step"] + 1, version)
             if evaluator is not None:

@@ -130,9 +130,8 @@ def evaluate(
     )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
     try:
-        executors, base_url = (
-            runtime.start_executors()
-        )  # the runners where set: the agents' nodes, as in training
+        # the runners where set: the agents' nodes, as in training
+        executors, base_url = runtime.start_executors()
         runner = EvalRunner(cfg, runtime.store, executors, base_url, out, execute)
         runner.start(step, step)
         rows = runner.finish(

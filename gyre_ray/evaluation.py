@@ -30,7 +30,7 @@ from gyre_ray.agents.outcomes import outcome_metrics
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.envs.base import Task, get_task_set
 from gyre_ray.proxy.store_files import json_lines
-from gyre_ray.runtime.runners import ExecutorLostError
+from gyre_ray.runtime.runners import ExecutorLostError, register_again, relaunch_id, wait_until_answering
 
 EVAL_FILE = "eval.jsonl"
 
@@ -242,11 +242,11 @@ class EvalRunner:
 
     def _start_again(self, rnd: _Round, index: int) -> None:
         """Item `index` of `rnd` again, on the next executor, in a fresh workspace with the same seed."""
-        from gyre_ray.runtime.runners import check_starts, register_again, relaunch_id, wait_until_answering
-
         item, executor = rnd.items[index], (rnd.executor[index] + 1) % len(self.executors)
-        check_starts(item.execution_id, f"evaluation executor {rnd.executor[index]}")
-        again_id, key = register_again(self.store, item.execution_id, {"task_id": item.task_id, "eval": True})
+        meta = {"task_id": item.task_id, "eval": True}
+        again_id, key = register_again(
+            self.store, item.execution_id, meta, f"evaluation executor {rnd.executor[index]}"
+        )
         workspace = item.workspace.with_name(relaunch_id(item.workspace.name))  # (the same seed)
         again = EvalItem(again_id, item.task_id, workspace)
         wait_until_answering(self.executors[executor], f"evaluation executor {executor}")

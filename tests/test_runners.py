@@ -116,7 +116,9 @@ def test_an_executions_starts_are_read_from_its_id_and_bounded() -> None:
     ]
 
     class Scheduler(RunnerRecovery):  # only what `_runner_lost` reads before it refuses
-        planned = [type("Item", (), {"execution_id": f"r{MAX_STARTS - 1}.s0-a-0"})()]
+        task = type("Task", (), {"task_id": "a"})()
+        planned = [type("Item", (), {"execution_id": f"r{MAX_STARTS - 1}.s0-a-0", "task": task})()]
+        store = lost_runners = None
 
     run = type("Run", (), {"exec_id": 0, "runner": None})()
     with pytest.raises(
@@ -204,8 +206,8 @@ def test_starting_again_skips_an_id_a_dead_scheduler_registered(monkeypatch: pyt
         register=SimpleNamespace(remote=register),
         finish_execution=SimpleNamespace(remote=finished.append),
     )
-    assert register_again(store, "s0-t-0", {"task_id": "t"}) == ("r2.s0-t-0", "gyre-r2.s0-t-0")
+    assert register_again(store, "s0-t-0", {"task_id": "t"}, "runner-0") == ("r2.s0-t-0", "gyre-r2.s0-t-0")
     assert finished == ["s0-t-0", "r1.s0-t-0"]
     registered.update({"r3.x", "r4.x"})
     with pytest.raises(RuntimeError, match="already registered"):  # bounded as any start is
-        register_again(store, "r2.x", {"task_id": "t"})
+        register_again(store, "r2.x", {"task_id": "t"}, "runner-0")

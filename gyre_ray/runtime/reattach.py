@@ -36,7 +36,7 @@ from gyre_ray.agents.runner import ExecutionOutcome
 from gyre_ray.proxy.store import actor_was_restarted
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recovery import is_cell_loss
-from gyre_ray.runtime.runners import check_starts, executor_name
+from gyre_ray.runtime.runners import executor_name
 from gyre_ray.runtime.work import RunningExecution, Switch
 from gyre_ray.scheduling.runtime import CellPhase
 
@@ -142,7 +142,6 @@ class SchedulerReattach:
         before handing it over, or the executor died since and Ray started a new one (whose harness
         may have left records). Start it again under a new id (`RunnerRecovery._start_again`), within
         the same bound on starts as any lost execution."""
-        check_starts(self.planned[run.exec_id].execution_id, executor_name(run.runner))
         self._start_again(run)
         if self.scheduler_restarts:
             self.scheduler_restarts[-1]["executions_relaunched"] += 1

@@ -125,7 +125,7 @@ class CellRecovery:
         except RayActorError:
             return True
         except Exception:  # noqa: BLE001 - slow or busy is not dead
-            return False
+            pass
         return False
 
     def _cell_lost(self, index: int, why: str) -> None:

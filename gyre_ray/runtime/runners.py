@@ -124,12 +124,13 @@ def check_starts(execution_id: str, executor: str) -> None:
         )
 
 
-def register_again(store: Any, execution_id: str, metadata: dict[str, Any]) -> tuple[str, str]:
-    """The id (`relaunch_id`) and API key under which `execution_id` starts again: the old id's key
-    is revoked (a harness that lives on adds nothing) and its records, if any, stay in the store under
-    it, never trained on."""
+def register_again(store: Any, execution_id: str, metadata: dict[str, Any], executor: str) -> tuple[str, str]:
+    """The id (`relaunch_id`) and API key under which `execution_id`, whose executor (named `executor`)
+    died under it, starts again (`check_starts` first): the old id's key is revoked (a harness that
+    lives on adds nothing) and its records, if any, stay in the store under it, never trained on."""
     import ray
 
+    check_starts(execution_id, executor)
     store.finish_execution.remote(execution_id)
     again = relaunch_id(execution_id)
     while True:
@@ -196,7 +197,6 @@ class RunnerRecovery:
         """The executor of execution `run` died with it in flight (`run.runner`; None: `workers`): start
         it again from the beginning, on another runner where there is one, under a new id and key."""
         lost_id, lost_runner = self.planned[run.exec_id].execution_id, run.runner
-        check_starts(lost_id, executor_name(lost_runner))
         if lost_runner is not None:
             self.lost_runners.add(lost_runner)
         self._start_again(run)
@@ -207,9 +207,12 @@ class RunnerRecovery:
         self.journal.runner_lost(loss)  # a restarted scheduler's result still lists it
 
     def _start_again(self, run: Any) -> None:
-        """Start planned execution `run` afresh under a new id, key and workspace (`register_again`)."""
+        """Start planned execution `run`, whose executor (`run.runner`) lost it, afresh under a new id,
+        key and workspace (`register_again`: at most `MAX_STARTS` starts)."""
         item = self.planned[run.exec_id]
-        again, key = register_again(self.store, item.execution_id, {"task_id": item.task.task_id})
+        again, key = register_again(
+            self.store, item.execution_id, {"task_id": item.task.task_id}, executor_name(run.runner)
+        )
         item = self.planned[run.exec_id] = dataclasses.replace(item, execution_id=again)
         runner = self._pick_runner()
         wait_until_answering(self._executor(runner), executor_name(runner))

@@ -111,15 +111,6 @@ def list_executions(folder: Path, executions: dict[str, list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _run_config(run_dir: Path) -> dict:
-    """The run folder's config.json as saved (empty when it does not read)."""
-    try:
-        loaded = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
-
-
 def _run_trajectory(run_json: dict) -> Any:
     """The run's `trajectory` section (the defaults when there is no run or it does not validate)."""
     from gyre_ray.trajectory.config import TrajectorySection
@@ -149,7 +140,7 @@ def _fail(message: str) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from gyre_ray.trajectory.config import TrajectorySection
+    from gyre_ray.proxy.store_files import json_object
     from gyre_ray.trajectory.pipeline import TOKEN_FIGURES, process_execution
     from gyre_ray.trajectory.records import RecordError, group_by_execution, read_jsonl
 
@@ -163,14 +154,11 @@ def _show(args: argparse.Namespace) -> int:
                 f"{given} is a run folder ({', '.join(run_files)}) with no records/ folder: give the "
                 "folder of call records (proxy.records_dir) or one <execution_id>.jsonl"
             )
-        run_json = _run_config(given)
+        run_json = json_object(given / "config.json", {})  # (empty when it does not read)
         given = given / "records"  # what it meant (error messages and the listing name it)
-    defaults = _run_trajectory(run_json)  # a run folder: its own settings, as training used them
-    cfg = TrajectorySection(
-        budget=args.budget if args.budget is not None else defaults.budget,
-        tie_break=args.tie_break or defaults.tie_break,
-        **{k: v for k, v in defaults.model_dump().items() if k not in ("budget", "tie_break")},
-    )
+    flags = {"budget": args.budget, "tie_break": args.tie_break}  # (both checked above / by argparse)
+    # a run folder: its own settings, as training used them; the flags given win
+    cfg = _run_trajectory(run_json).model_copy(update={k: v for k, v in flags.items() if v is not None})
     decode = _run_decoder(run_json)
     sources = [given]
     if given.is_dir():

@@ -107,22 +107,17 @@ class _SeedFinder:
         """The candidates whose output appears in call h's prompt."""
         return [c for c in candidates if self._appears(self.calls[c].output_ids, h)]
 
-    def in_history(self, h: int, candidates: list[int]) -> list[int]:
-        """Seeds of h re-rendered in place: the call's prompt end directly precedes its output in h's
-        prompt (its own turn is part of the history h holds; a sub-agent's answer handed back as a
-        tool result is not)."""
-        return [c for c in self.seeds(h, candidates) if c not in self.summaries(h, [c])]
+    def in_context(self, h: int, c: int) -> bool:
+        """Whether call h's prompt re-renders call c's own turn: c's prompt end directly precedes its
+        output there (a history holding c's turn; a sub-agent's answer handed back as a tool result
+        is not one)."""
+        call = self.calls[c]
+        return _contains(self._prompt_bytes(h), _as_bytes(call.input_ids[-HISTORY_TOKENS:] + call.output_ids))
 
     def summaries(self, h: int, candidates: list[int]) -> list[int]:
         """Seeds of h that appear without their own turn's context: h holds their output, not a
         re-rendered history in which the call's prompt end directly precedes its output."""
-        found = []
-        for c in self.seeds(h, candidates):
-            call = self.calls[c]
-            in_context = call.input_ids[-HISTORY_TOKENS:] + call.output_ids
-            if not _contains(self._prompt_bytes(h), _as_bytes(in_context)):
-                found.append(c)
-        return found
+        return [c for c in self.seeds(h, candidates) if not self.in_context(h, c)]
 
     def returned(self, c: int, continuations: list[int]) -> bool:
         """Was call c's output handed back into a running conversation, i.e. does it appear in the
@@ -225,8 +220,8 @@ def classify_roles(
             if not owner and is_summary[h]:  # a compaction with its own prompt: whose history is it?
                 # the latest call whose own turn it re-renders (a sub-agent's answer, handed back as a
                 # tool result just before, is the latest output in it, but not its history)
-                earlier = list(range(h))
-                owner = finder.in_history(h, earlier) or finder.seeds(h, earlier)
+                seeds = finder.seeds(h, list(range(h)))
+                owner = [c for c in seeds if finder.in_context(h, c)] or seeds
             thread_role[h] = thread_role[thread[owner[-1]]] if owner else "sub-agent"
     return [
         thread_role[thread[i]] + ("-summary" if is_summary[i] else "") if role == "unknown" else role
