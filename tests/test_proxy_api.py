@@ -406,6 +406,45 @@ def test_concurrent_calls_per_execution_are_bounded(tmp_path):
     assert len(records) == 1
 
 
+def test_a_call_waiting_for_a_slot_has_its_body_left_unread(tmp_path):
+    """The slot is taken before the body is read, so an execution that opens many calls holds at
+    most its limit of bodies in the replica's memory (the others wait unread, then 429); count_tokens
+    takes a slot too, and every slot comes back once its call ends."""
+    section = ProxySection(max_concurrent_per_execution=1, queue_timeout_s=0.3)
+    lp = asyncio.run(
+        build_local_proxy(CODEC, _factory(token_delay_s=0.05), tmp_path, num_cells=1, section=section)
+    )
+    message = {"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+    pulled: list[str] = []
+
+    async def body(c, _):
+        headers = {"x-api-key": c.anthropic.api_key, "content-type": "application/json"}
+
+        async def chunks(name: str):
+            pulled.append(name)
+            yield json.dumps(message).encode()
+
+        async def call(name: str, path: str = "/v1/messages"):
+            return await c.http.post(path, content=chunks(name), headers=headers)
+
+        first = asyncio.create_task(call("first"))
+        while "first" not in pulled:  # the first call holds the slot, its body read
+            await asyncio.sleep(0.005)
+        waiting = await call("waiting")
+        counting = await call("counting", "/v1/messages/count_tokens")
+        answered = await first
+        after = await call("after")  # the slot came back with the first call's answer
+        return waiting, counting, answered, after
+
+    (waiting, counting, answered, after), records = scenario(lp, body)
+    assert waiting.status_code == 429 and "1 calls in flight" in waiting.json()["error"]["message"]
+    assert counting.status_code == 429
+    assert pulled == ["first", "after"]  # neither refused call's body was read
+    assert answered.status_code == 200 and after.status_code == 200
+    assert len(records) == 2
+    assert lp.service._inflight == {}  # no slot left held
+
+
 def test_a_call_past_request_timeout_is_aborted_with_a_408(tmp_path):
     section = ProxySection(request_timeout_s=0.3)
     lp = asyncio.run(

@@ -52,7 +52,9 @@ def _input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
     }
 
 
-async def messages(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
+async def messages(
+    service: Any, execution_id: str, body: Any, headers: dict[str, str], slot: Any
+) -> Response:
     req = validate(MessagesRequest, body)
     prompt = req.to_prompt()
     one_call = one_tool_call_stop(
@@ -70,8 +72,15 @@ async def messages(service: Any, execution_id: str, body: Any, headers: dict[str
     sampling = sampling_for(
         service, call, req.temperature, req.top_p, req.max_tokens, None, extra_stop_ids=one_call
     )
-    gen, slot = await begin(
-        service, call, sampling, prompt.parse_tools, list(req.stop_sequences or []), "toolu_", req.stream
+    gen = await begin(
+        service,
+        call,
+        slot,
+        sampling,
+        prompt.parse_tools,
+        list(req.stop_sequences or []),
+        "toolu_",
+        req.stream,
     )
     message = {
         "id": "msg_" + call.call_id.replace("-", ""),
@@ -173,7 +182,9 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
     yield _event("message_stop", {"type": "message_stop"})
 
 
-async def count_tokens(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
+async def count_tokens(
+    service: Any, execution_id: str, body: Any, headers: dict[str, str], slot: Any
+) -> Response:
     req = validate(CountTokensRequest, body)
     prompt = req.to_prompt()
     assistant_tokens, _ = await service.recorded_outputs(execution_id, prompt)

@@ -33,7 +33,7 @@ from gyre_ray.proxy.errors import ApiError, error_body, flavor_for_path
 from gyre_ray.proxy.observe import CallMetrics
 
 log = logging.getLogger(__name__)
-Handler = Callable[[Any, str, Any, dict[str, str]], Awaitable[Response]]
+Handler = Callable[[Any, str, Any, dict[str, str], Any], Awaitable[Response]]
 
 
 RETRYABLE = (429, 503)
@@ -195,9 +195,16 @@ def build_app(service: Any) -> FastAPI:
 
     async def model_call(request: Request, handler: Handler) -> Response:
         execution_id = await execution_of(request)
-        body = await _read_json(request, limit, body_idle_s)
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        return await handler(service, execution_id, body, headers)
+        # The slot comes before the body: an execution holds at most its limit of bodies in memory,
+        # however many calls it opens (the rest wait unread, then 429).
+        slot = await service.acquire_slot(execution_id)
+        try:
+            body = await _read_json(request, limit, body_idle_s)
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            return await handler(service, execution_id, body, headers, slot)
+        finally:
+            if not slot.bound:  # a stream releases its slot as it ends
+                slot.release()
 
     # ---- unauthenticated -------------------------------------------------------------------
     @app.api_route("/", methods=["GET", "HEAD"])

@@ -1,9 +1,10 @@
 """Plumbing shared by the OpenAI and Anthropic front ends: body validation, sampling, streaming.
 
-`begin` validates limits, takes an execution slot, starts the call and waits for its first tokens;
-`complete` runs a non-streaming call to the end; `sse` wraps a front end's event generator so that
-the slot is released, a client that goes away aborts the engine request (and the partial call is
-still recorded), and a failure mid-stream becomes an error event instead of a broken connection.
+`begin` starts a call in the execution slot the app took for it (before reading its body) and
+waits for its first tokens; `complete` runs a non-streaming call to the end; `sse` wraps a front
+end's event generator so that the slot is released, a client that goes away aborts the engine
+request (and the partial call is still recorded), and a failure mid-stream becomes an error event
+instead of a broken connection.
 """
 
 from __future__ import annotations
@@ -100,17 +101,17 @@ def one_tool_call_stop(
 async def begin(
     service: Any,
     call: PreparedCall,
+    slot: Any,
     sampling: SamplingParams,
     parse_tools: bool,
     stop_strings: list[str],
     tool_id_prefix: str,
     stream: bool = True,
-) -> tuple[Generation, Any]:
-    """Take an execution slot, start the call and wait for its first tokens.
+) -> Generation:
+    """Start the call, in the execution slot it holds, and wait for its first tokens.
 
     A call that fails before the engine produced anything (refused, no cell) is not recorded.
     """
-    slot = await service.acquire_slot(call.execution_id)
     run = service.start(call, sampling, stream=stream or bool(stop_strings))  # stop strings need early tokens
     gen = Generation(service, run, parse_tools, stop_strings, tool_id_prefix)
     try:
@@ -123,7 +124,7 @@ async def begin(
         else:
             await asyncio.shield(run.cancel())
         raise
-    return gen, slot
+    return gen
 
 
 async def complete(gen: Generation, slot: Any) -> Outcome:

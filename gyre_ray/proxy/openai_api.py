@@ -46,7 +46,9 @@ def _usage(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-async def chat_completions(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
+async def chat_completions(
+    service: Any, execution_id: str, body: Any, headers: dict[str, str], slot: Any
+) -> Response:
     req = validate(ChatCompletionRequest, body)
     prompt = req.to_prompt()
     one_call = one_tool_call_stop(service, req.parallel_tool_calls, prompt.parse_tools, "parallel_tool_calls")
@@ -68,8 +70,8 @@ async def chat_completions(service: Any, execution_id: str, body: Any, headers: 
         max_tokens_param=req.max_tokens_param(),
         extra_stop_ids=one_call,
     )
-    gen, slot = await begin(
-        service, call, sampling, prompt.parse_tools, req.stop_strings(), "call_", req.stream
+    gen = await begin(
+        service, call, slot, sampling, prompt.parse_tools, req.stop_strings(), "call_", req.stream
     )
     meta = {"id": "chatcmpl-" + call.call_id, "created": int(time.time()), "model": req.model}
     if req.stream:
@@ -127,7 +129,9 @@ async def _chat_stream(gen: Generation, meta: dict[str, Any], include_usage: boo
     yield "data: [DONE]\n\n"
 
 
-async def completions(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
+async def completions(
+    service: Any, execution_id: str, body: Any, headers: dict[str, str], slot: Any
+) -> Response:
     req = validate(CompletionRequest, body)
     prompt = req.prompt_text_or_ids()
     if isinstance(prompt, str):
@@ -141,7 +145,7 @@ async def completions(service: Any, execution_id: str, body: Any, headers: dict[
             raise ApiError(400, str(exc), "prompt") from None
     call = service.prepare_ids(execution_id, ids, "openai-completions", req.model, headers.get("x-gyre-role"))
     sampling = sampling_for(service, call, req.temperature, req.top_p, req.max_tokens or 16, req.seed)
-    gen, slot = await begin(service, call, sampling, False, req.stop_strings(), "call_", req.stream)
+    gen = await begin(service, call, slot, sampling, False, req.stop_strings(), "call_", req.stream)
     meta = {"id": "cmpl-" + call.call_id, "created": int(time.time()), "model": req.model}
     echo = service.codec.decode(ids) if req.echo else ""
     if req.stream:

@@ -109,7 +109,9 @@ def session_of(headers: dict[str, str]) -> str | None:
     return session_or_none(headers.get("session-id") or headers.get("thread-id"))
 
 
-async def responses(service: Any, execution_id: str, body: Any, headers: dict[str, str]) -> Response:
+async def responses(
+    service: Any, execution_id: str, body: Any, headers: dict[str, str], slot: Any
+) -> Response:
     req = validate(ResponsesRequest, body)
     prompt = req.to_prompt()
     one_call = one_tool_call_stop(service, req.parallel_tool_calls, prompt.parse_tools, "parallel_tool_calls")
@@ -121,7 +123,7 @@ async def responses(service: Any, execution_id: str, body: Any, headers: dict[st
     sampling = sampling_for(
         service, call, req.temperature, req.top_p, req.max_output_tokens, None, "max_output_tokens", one_call
     )
-    gen, slot = await begin(service, call, sampling, prompt.parse_tools, [], "call_", req.stream)
+    gen = await begin(service, call, slot, sampling, prompt.parse_tools, [], "call_", req.stream)
     shell = _Shell("resp_" + call.call_id.replace("-", ""), req)
     if req.stream:
         return sse(_stream(gen, shell), gen, slot, _error_event)

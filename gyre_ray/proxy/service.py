@@ -43,6 +43,7 @@ class _Slot:
         self._counts = counts
         self._execution_id = execution_id
         self._held = True
+        self.bound = False
 
     def release(self) -> None:
         if self._held:
@@ -53,6 +54,7 @@ class _Slot:
 
     def bind(self, owner: object) -> None:
         """Release at the latest when `owner` (e.g. a response stream that may never run) is collected."""
+        self.bound = True
         weakref.finalize(owner, self.release)
 
 
