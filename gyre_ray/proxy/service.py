@@ -26,10 +26,11 @@ from gyre_ray.proxy.errors import ApiError
 from gyre_ray.proxy.prompt import ChatPrompt, assistant_key
 from gyre_ray.proxy.roles import RoleError, classify_role, system_fingerprint
 from gyre_ray.proxy.router import Router
+from gyre_ray.proxy.splice_cache import SpliceCache
 from gyre_ray.proxy.store import StoreError
 from gyre_ray.trajectory.records import CallRecord
 
-SPLICE_CACHE_PER_EXECUTION = 1024
+MAIN_SYSTEMS_KEPT = 100_000  # executions whose main-agent system prompt a replica remembers
 RECORD_BATCH_MAX = 256  # pending records handed to the store in one call at most
 KEY_CACHE = 100_000  # API keys this replica remembers (least recently used dropped first)
 KEY_TTL_S = 5.0  # a remembered key is asked of the store again after this: a finish elsewhere revokes it
@@ -78,8 +79,8 @@ class ProxyService:
         # key -> (execution, until when it is trusted), LRU of KEY_CACHE entries
         self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._inflight: dict[str, int] = {}
-        self._main_system: dict[str, str] = {}
-        self._splices: dict[str, OrderedDict[str, tuple[str, list[int]]]] = {}
+        self._main_system: OrderedDict[str, str] = OrderedDict()  # least recently used dropped first
+        self._splices = SpliceCache()
         self._pending: list[tuple[CallRecord, str | None]] = []  # records not yet handed to the store
         self._flush: asyncio.Handle | None = None
         self._commit: asyncio.Future | None = None  # resolves once the store holds the pending batch
@@ -164,7 +165,7 @@ class ProxyService:
                 await asyncio.wait_for(
                     self.cells[pinned].forget_session(execution_id), SESSION_TAKE_TIMEOUT_S
                 )
-        self._splices.pop(execution_id, None)
+        self._splices.forget(execution_id)
         self._main_system.pop(execution_id, None)
         return path
 
@@ -255,8 +256,12 @@ class ProxyService:
             role = classify_role(prompt, role_header, user_agent, self._main_system.get(execution_id))
         except RoleError as exc:
             raise ApiError(400, str(exc)) from None
-        if execution_id not in self._main_system and role == "main":
+        if execution_id in self._main_system:
+            self._main_system.move_to_end(execution_id)
+        elif role == "main":
             self._main_system[execution_id] = system_fingerprint(prompt)
+            while len(self._main_system) > MAIN_SYSTEMS_KEPT:
+                self._main_system.popitem(last=False)
         assistant_tokens, parent = await self.recorded_outputs(execution_id, prompt)
         try:
             input_ids = self.codec.prompt_ids(prompt, assistant_tokens)
@@ -326,27 +331,19 @@ class ProxyService:
         }
         if not wanted:
             return {}, None
-        cache = self._splices.setdefault(execution_id, OrderedDict())
-        missing = sorted({key for key in wanted.values() if key not in cache})
+        missing = sorted({key for key in wanted.values() if self._splices.get(execution_id, key) is None})
         if missing:
             found = await self.store_read("find_outputs", execution_id, missing)
             for key, (call_id, ids) in found.items():
-                self._remember(execution_id, key, call_id, ids)
+                self._splices.remember(execution_id, key, call_id, ids)
         spliced: dict[int, list[int]] = {}
         parent = None
         for index, key in wanted.items():
-            hit = cache.get(key)
+            hit = self._splices.get(execution_id, key)
             if hit is not None:
                 spliced[index] = hit[1]
                 parent = hit[0]
         return spliced, parent
-
-    def _remember(self, execution_id: str, key: str, call_id: str, ids: list[int]) -> None:
-        cache = self._splices.setdefault(execution_id, OrderedDict())
-        cache[key] = (call_id, ids)
-        cache.move_to_end(key)
-        while len(cache) > SPLICE_CACHE_PER_EXECUTION:
-            cache.popitem(last=False)
 
     # ---- running a call -------------------------------------------------------------------------
     async def acquire_slot(self, execution_id: str) -> _Slot:
@@ -444,7 +441,7 @@ class ProxyService:
             },
         )
         if splice_key is not None and run.output_ids:
-            self._remember(call.execution_id, splice_key, call.call_id, run.output_ids)
+            self._splices.remember(call.execution_id, splice_key, call.call_id, run.output_ids)
         self._pending.append((record, splice_key))
         try:
             loop = asyncio.get_running_loop()
