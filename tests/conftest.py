@@ -82,8 +82,7 @@ def no_ray_across_modules() -> Iterator[None]:
 # started first, these no longer trail the run on one worker while the other sits idle (xdist's default
 # reorder puts modules with many tests first, and these have few).
 HEAVY_FIRST = (
-    "test_faults_driver.py", "test_sim_near_bound.py", "test_sim_near_bound_hard.py",
-    "test_sim_near_bound_terminal.py", "test_faults_cells.py", "test_resume_job.py",
+    "test_faults_driver.py", "test_faults_cells.py", "test_resume_job.py",
     "test_agents_job.py", "test_megatron_job.py", "test_runtime_ray.py", "test_faults_core.py",
     "test_train_job.py", "test_faults_control.py", "test_transfer.py", "test_faults_nodes.py",
     "test_transfer_job.py", "test_faults_proxy.py",

@@ -154,20 +154,7 @@ def best_elastic(
             prefetch=mode,
             **knobs,
         )
-    candidates: dict[str, dict[str, Any]] = {
-        mode: {"prefetch": mode} for mode in PREFETCH_MODES if mode != "paced"
-    }
-    paces = [pace_s] if pace_s else _pace_grid(wl)
-    for pace in paces:
-        candidates[f"paced:{pace:g}"] = {"prefetch": "paced", "pace_s": pace}
-    prior = duration_prior(wl) if sibling else None
-    if prior is not None:
-        for label in [m if m != "paced" else f"paced:{paces[0]:g}" for m in SIBLING_MODES]:
-            candidates[f"{label}:sibling"] = {
-                **candidates[label],
-                "launch_order": "sibling",
-                "duration_prior": prior,
-            }
+    candidates = elastic_candidates(wl, pace_s, sibling)
     runs: dict[str, SimResult] = {}
     for label, knobs in candidates.items():
         started = time.monotonic()
@@ -182,6 +169,28 @@ def best_elastic(
     best = min(runs.values(), key=lambda r: r.makespan_s)
     best.knobs["sweep_makespan_s"] = {label: round(r.makespan_s, 3) for label, r in runs.items()}
     return best
+
+
+def elastic_candidates(
+    wl: SampledWorkload, pace_s: float | None = None, sibling: bool = True
+) -> dict[str, dict[str, Any]]:
+    """The settings `best_elastic` tries when no prefetch mode is given, by label (`eager`, `spare`,
+    `trickle`, `paced:<pace>`, and `<label>:sibling` for the `SIBLING_MODES`): `elastic`'s knobs."""
+    candidates: dict[str, dict[str, Any]] = {
+        mode: {"prefetch": mode} for mode in PREFETCH_MODES if mode != "paced"
+    }
+    paces = [pace_s] if pace_s else _pace_grid(wl)
+    for pace in paces:
+        candidates[f"paced:{pace:g}"] = {"prefetch": "paced", "pace_s": pace}
+    prior = duration_prior(wl) if sibling else None
+    if prior is not None:
+        for label in [m if m != "paced" else f"paced:{paces[0]:g}" for m in SIBLING_MODES]:
+            candidates[f"{label}:sibling"] = {
+                **candidates[label],
+                "launch_order": "sibling",
+                "duration_prior": prior,
+            }
+    return candidates
 
 
 PACE_FACTORS = (1.0, 1.5)
