@@ -85,6 +85,7 @@ def test_simulate_reads_knobs_from_config_overrides(small: str, capsys) -> None:
         (["--plot", "t.txt"], "--plot t.txt: plots are written as png, pdf, svg, not .txt"),
         (["--seed", "-5"], "need --seed >= 0, got -5"),
         (["--cells", "20000"], "need --cells <= 10,000, got 20,000"),
+        (["--jobs", "0"], "need --jobs >= 1, got 0"),
     ],
 )
 def test_simulate_errors_are_clear(small: str, args: list[str], message: str, capsys) -> None:
@@ -154,6 +155,7 @@ def test_plan_table_and_errors(small: str, capsys) -> None:
         (["--cell-nodes", ","], "--cell-nodes must list cell sizes >= 1 node, got []"),
         (["--seed", "-5"], "--seed must be >= 0, got -5"),
         (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--jobs", "-1"], "--jobs must be >= 1, got -1"),
         (["--staleness", "-1"], "--staleness must be >= 0, got -1"),
         (["--nodes", "20000"], "--nodes must list cluster sizes from 2 to 10,000, got [20000]"),
     ],
@@ -197,3 +199,23 @@ def test_the_plot_names_its_update_lines_and_a_short_axis_is_not_in_hours(
     assert " min, " in ax.get_title(loc="left")  # the run's own length (40 min), longer than the zoom
     # a replayed run of minutes: was "0.1 h, ..., bound 0.1 h" on an axis of 0.00-0.12 hours
     assert [_time_unit(s)[1] for s in (270.0, 1200.0, 3600.0)] == ["s", "min", "h"]
+
+
+def test_elastic_candidates_simulated_in_processes_give_the_same_result(small: str) -> None:
+    """`--jobs` (default: the CPUs) only changes how long the search takes, not what it finds."""
+    from gyre_ray.sim.runner import best_elastic
+    from gyre_ray.sim.workload import load_workload, sample_workload
+
+    spec, base_dir = load_workload(small)
+    wl = sample_workload(spec, 3, 0, base_dir)
+    lines: dict[int, list[str]] = {1: [], 2: []}
+    alone, parallel = (best_elastic(wl, 3, 1, progress=lines[j].append, jobs=j) for j in (1, 2))
+    assert parallel.makespan_s == alone.makespan_s and parallel.knobs == alone.knobs
+    assert (
+        len(alone.knobs["sweep_makespan_s"]) == 7 and len(set(alone.knobs["sweep_makespan_s"].values())) > 1
+    )
+    assert len(lines[2]) == 7 and sorted(line.split(": ")[0] for line in lines[2]) == sorted(
+        line.split(": ")[0] for line in lines[1]
+    )
+    with pytest.raises(ValueError, match="jobs must be >= 1"):
+        best_elastic(wl, 3, 1, jobs=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,6 +78,14 @@ def _csv_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+JOBS_HELP = "processes that simulate elastic's candidate settings at once (default: the CPUs, at most 7)"
+
+
+def _default_jobs() -> int:
+    """The CPUs this process may use, at most the 7 candidate settings elastic tries."""
+    return max(1, min(7, len(os.sched_getaffinity(0))))
+
+
 def register(subparsers: Any) -> None:
     """Add the `simulate` and `plan` sub-commands."""
     sim = subparsers.add_parser(
@@ -109,6 +118,7 @@ def register(subparsers: Any) -> None:
     sim.add_argument(
         "--plot-hours", type=float, default=None, help="only the first H hours in the plot (needs --plot)"
     )
+    sim.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
     sim.add_argument("--config", default=None, help="YAML config whose scheduler/sim sections to use")
     sim.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. sim.weight_sync_s=10")
     sim.set_defaults(handler=_simulate_command)
@@ -132,6 +142,7 @@ def register(subparsers: Any) -> None:
     plan.add_argument("--policy", default="elastic", help="policy to plan for (default elastic)")
     plan.add_argument("--seed", type=int, default=None, help="workload seed (default sim.seed)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    plan.add_argument("--jobs", type=int, default=None, help=JOBS_HELP)
     plan.add_argument("--config", default=None, help="YAML config whose scheduler/sim sections to use")
     plan.add_argument("overrides", nargs="*", help="dotted config overrides")
     plan.set_defaults(handler=_plan_command)
@@ -165,6 +176,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else sim.steps
     staleness = args.staleness if args.staleness is not None else sched.staleness
     seed = args.seed if args.seed is not None else sim.seed
+    jobs = args.jobs if args.jobs is not None else _default_jobs()
     policy_problem = _policy_override_problem(_override_keys(args.overrides), "sim.policies")
     if policy_problem:
         return _fail("simulate", policy_problem)
@@ -177,6 +189,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
         _out_of_range("--steps", steps, 1),
         _out_of_range("--staleness", staleness, 0),
         _out_of_range("--seed", seed, 0),
+        _out_of_range("--jobs", jobs, 1),
     ):
         if problem:
             return _fail("simulate", problem)
@@ -220,6 +233,7 @@ def _simulate_command(args: argparse.Namespace) -> int:
             progress=_progress_line,
             launch_order=sched.elastic_launch_order,
             prior=sched.duration_prior(),
+            jobs=jobs,
         )
     except (WorkloadError, ValueError) as exc:
         return _fail("simulate", str(exc))
@@ -389,6 +403,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         ("--reference-nodes", args.reference_nodes),
         ("--min-cell-nodes", args.min_cell_nodes),
         ("--steps", args.steps),
+        ("--jobs", args.jobs),
     ):
         if value is not None and value < 1:
             return _fail("plan", f"{flag} must be >= 1, got {value}")
@@ -398,6 +413,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     if not args.policy.strip():
         return _fail("plan", f"--policy is empty; give one of {POLICY_NAMES}")
     reference = args.reference_nodes if args.reference_nodes is not None else args.nodes[0]
+    jobs = args.jobs if args.jobs is not None else _default_jobs()
     try:
         spec, base_dir = load_workload(args.workload or cfg.sim.workload)
         layouts = plan_layouts(
@@ -413,6 +429,7 @@ def _plan_command(args: argparse.Namespace) -> int:
             costs_from(cfg.sim),
             progress=_plan_progress,
             base_dir=base_dir,
+            jobs=jobs,
         )
         picks = {n: recommend(layouts, n) for n in args.nodes}
     except (WorkloadError, ValueError) as exc:

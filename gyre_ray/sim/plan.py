@@ -80,13 +80,14 @@ def plan_layouts(
     costs: SimCosts | None = None,
     progress: Callable[[str], None] | None = None,
     base_dir: Path | None = None,
+    jobs: int = 1,
 ) -> list[Layout]:
     """Simulate `policy` on every layout of every cluster size; returns them fastest first.
 
     Every cluster size's layouts are checked (and its workload sampled) before the first simulation.
     `progress`, if given, gets a line after each layout (its makespan per step, ratio to the bound, and
     seconds taken). `base_dir`: the folder a relative `trace` of the spec is read from (the workload
-    YAML's, as `load_workload` returns it)."""
+    YAML's, as `load_workload` returns it). `jobs`: processes that simulate elastic's candidates at once."""
     candidates = {nodes: candidate_layouts(nodes, min_cell_nodes, cell_nodes) for nodes in node_counts}
     workloads: dict[int, SampledWorkload] = {}
     for nodes, pairs in candidates.items():
@@ -100,7 +101,7 @@ def plan_layouts(
         wl = workloads[nodes]
         for size, cells in pairs:
             started = time.monotonic()
-            result = simulate(wl, [policy], cells, staleness, costs)[policy]
+            result = simulate(wl, [policy], cells, staleness, costs, jobs=jobs)[policy]
             if progress is not None:
                 now = time.monotonic()
                 progress(

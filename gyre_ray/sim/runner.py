@@ -5,15 +5,19 @@ With `tune=True` each policy gets its best knob on the very workload it is measu
 once its clock passes the best makespan found so far, so it could not have won), `elastic` its best
 prefetch setting (eager, spare, trickle, and paced at 1 and 1.5 x the workload's longest
 execution; they differ only when eta >= 1), and where the workload has a duration model, trickle
-and paced at 1 x again with the sibling launch order (`SIBLING_MODES`). The sweeps are returned in `knobs`. Each policy's
+and paced at 1 x again with the sibling launch order (`SIBLING_MODES`), `jobs` candidates at a time in
+processes of their own. The sweeps are returned in `knobs`. Each policy's
 bound uses the staleness it may exploit: colocate is on-policy whatever eta is, so its bound uses
 eta = 0.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
+import multiprocessing
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -130,6 +134,7 @@ def best_elastic(
     sibling: bool = True,
     progress: Callable[[str], None] | None = None,
     order: dict[str, Any] | None = None,
+    jobs: int = 1,
 ) -> SimResult:
     """`elastic` with `prefetch` as given, or (None) the fastest of its prefetch modes.
 
@@ -137,7 +142,8 @@ def best_elastic(
     the modes in `SIBLING_MODES` (paced at the first pace) are tried again with the sibling launch
     order where `duration_prior` finds a model (unless `sibling` is False: a launch order given by
     the workload's ids, such as `longest_first`, is then kept). `order` (`launch_order` and
-    `duration_prior` knobs) is the launch order of a `prefetch` given.
+    `duration_prior` knobs) is the launch order of a `prefetch` given. `jobs` > 1 simulates the
+    candidates in that many processes at once (the same result: each simulation is deterministic).
     """
     if prefetch is not None or staleness == 0:  # without prefetch the modes decide the same
         mode = prefetch or PREFETCH_MODES[0]
@@ -154,21 +160,88 @@ def best_elastic(
             prefetch=mode,
             **knobs,
         )
-    candidates = elastic_candidates(wl, pace_s, sibling)
-    runs: dict[str, SimResult] = {}
-    for label, knobs in candidates.items():
-        started = time.monotonic()
-        runs[label] = run_policy(
-            wl, "elastic", n_cells, staleness, costs, record, repay_factor=repay_factor, **knobs
-        )
-        if progress is not None:
-            progress(
-                f"elastic {label}: {runs[label].makespan_s / 3600:.2f} h "
-                f"({len(runs)}/{len(candidates)}, {time.monotonic() - started:.1f} s)"
-            )
-    best = min(runs.values(), key=lambda r: r.makespan_s)
+    candidates = {
+        label: {"repay_factor": repay_factor, **knobs}
+        for label, knobs in elastic_candidates(wl, pace_s, sibling).items()
+    }
+    runs = _run_candidates(wl, n_cells, staleness, costs, record, candidates, jobs, progress)
+    best = min(runs.values(), key=lambda r: r.makespan_s)  # ties: the first candidate, whatever ended first
     best.knobs["sweep_makespan_s"] = {label: round(r.makespan_s, 3) for label, r in runs.items()}
     return best
+
+
+def _run_candidates(
+    wl: SampledWorkload,
+    n_cells: int,
+    staleness: int,
+    costs: SimCosts | None,
+    record: bool,
+    candidates: dict[str, dict[str, Any]],
+    jobs: int,
+    progress: Callable[[str], None] | None,
+) -> dict[str, SimResult]:
+    """`elastic` with each candidate's knobs, by label in candidate order; `jobs` processes at once."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    began = time.monotonic()
+    done: dict[str, SimResult] = {}
+
+    def report(label: str, started: float) -> None:
+        if progress is not None:
+            now = time.monotonic()
+            progress(
+                f"elastic {label}: {done[label].makespan_s / 3600:.2f} h "
+                f"({len(done)}/{len(candidates)}, {now - started:.1f} s)"
+            )
+
+    if jobs == 1 or len(candidates) == 1:
+        for label, knobs in candidates.items():
+            started = time.monotonic()
+            done[label] = run_policy(wl, "elastic", n_cells, staleness, costs, record, **knobs)
+            report(label, started)
+        return done
+    pool = _pool(jobs)
+    # the sibling-order candidates take longest (tens of seconds at 48 steps): they start first
+    slow_first = sorted(candidates, key=lambda label: "launch_order" not in candidates[label])
+    tasks = [(label, wl, n_cells, staleness, costs, record, candidates[label]) for label in slow_first]
+    try:
+        for label, result in pool.imap_unordered(_run_candidate, tasks):
+            done[label] = result
+            report(label, began)
+    except BaseException:  # Ctrl-C or a failed simulation: the other candidates are not waited for
+        _POOLS.pop(jobs, None)
+        pool.terminate()
+        raise
+    return {label: done[label] for label in candidates}
+
+
+def _run_candidate(task: tuple) -> tuple[str, SimResult]:
+    label, wl, n_cells, staleness, costs, record, knobs = task
+    return label, run_policy(wl, "elastic", n_cells, staleness, costs, record, **knobs)
+
+
+_POOLS: dict[int, Any] = {}
+
+
+def _pool(jobs: int) -> Any:
+    """The process pool of `jobs` workers (a `multiprocessing.Pool`), started on first use and kept for
+    the process's life (`plan` reuses it for every layout). Spawned, not forked: the caller may hold
+    threads (Ray, BLAS pools). Its workers ignore Ctrl-C: the command stops them (`terminate`)."""
+    pool = _POOLS.get(jobs)
+    if pool is None:
+        context = multiprocessing.get_context("spawn")
+        pool = _POOLS[jobs] = context.Pool(
+            jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+        )
+        if len(_POOLS) == 1:
+            atexit.register(_close_pools)
+    return pool
+
+
+def _close_pools() -> None:
+    """Stop the pools' workers as the process exits (they hold nothing worth waiting for)."""
+    while _POOLS:
+        _POOLS.popitem()[1].terminate()
 
 
 def elastic_candidates(
@@ -243,12 +316,14 @@ def simulate(
     progress: Callable[[str], None] | None = None,
     launch_order: str = "fifo",
     prior: DurationPrior | None = None,
+    jobs: int = 1,
 ) -> dict[str, SimResult]:
     """Every named policy on the same workload, keyed by policy name (see the module docstring).
 
     `progress`, if given, gets a line after each policy and after each elastic candidate (the
     sibling-order runs take seconds to tens of seconds each at 48 steps). Without `tune`, elastic runs
-    `prefetch` in `launch_order`; `sibling` takes `prior`, else the workload's own duration model."""
+    `prefetch` in `launch_order`; `sibling` takes `prior`, else the workload's own duration model.
+    `jobs`: processes that simulate elastic's candidates at once (`best_elastic`)."""
     known = policy_names()
     unknown = [p for p in policies if p not in known]
     if unknown:
@@ -272,6 +347,7 @@ def simulate(
                 pace_s,
                 progress=progress,
                 order=order,
+                jobs=jobs,
             )
         else:
             results[name] = run_policy(wl, name, n_cells, staleness, costs, record)
