@@ -219,3 +219,19 @@ def test_elastic_candidates_simulated_in_processes_give_the_same_result(small: s
     )
     with pytest.raises(ValueError, match="jobs must be >= 1"):
         best_elastic(wl, 3, 1, jobs=0)
+
+
+def test_without_a_process_pool_the_candidates_run_one_at_a_time(small: str, monkeypatch) -> None:
+    from gyre_ray.sim import runner
+    from gyre_ray.sim.workload import load_workload, sample_workload
+
+    def no_pool(jobs: int):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(runner, "_pool", no_pool)
+    spec, base_dir = load_workload(small)
+    wl = sample_workload(spec, 2, 0, base_dir)
+    lines: list[str] = []
+    result = runner.best_elastic(wl, 3, 1, progress=lines.append, jobs=4)
+    assert "cannot start 4 processes" in lines[0] and "one at a time" in lines[0]
+    assert len(lines) == 8 and result.makespan_s == runner.best_elastic(wl, 3, 1).makespan_s

@@ -194,13 +194,19 @@ def _run_candidates(
                 f"({len(done)}/{len(candidates)}, {now - started:.1f} s)"
             )
 
-    if jobs == 1 or len(candidates) == 1:
+    pool = None
+    if jobs > 1 and len(candidates) > 1:
+        try:
+            pool = _pool(jobs)
+        except OSError as exc:  # no process pool here (no shared-memory semaphores, a process limit)
+            if progress is not None:
+                progress(f"cannot start {jobs} processes ({exc}): the candidates run one at a time")
+    if pool is None:
         for label, knobs in candidates.items():
             started = time.monotonic()
             done[label] = run_policy(wl, "elastic", n_cells, staleness, costs, record, **knobs)
             report(label, started)
         return done
-    pool = _pool(jobs)
     # the sibling-order candidates take longest (tens of seconds at 48 steps): they start first
     slow_first = sorted(candidates, key=lambda label: "launch_order" not in candidates[label])
     tasks = [(label, wl, n_cells, staleness, costs, record, candidates[label]) for label in slow_first]
