@@ -44,18 +44,16 @@ def recovery(monkeypatch: pytest.MonkeyPatch, satellite_alive: bool) -> tuple[Ce
     sched = CellRecovery()
     stream = Stream()
     sched.actors = [None, SimpleNamespace(is_draining=SimpleNamespace(remote=lambda: PROBE))]
-    sched.core, sched.micro, sched.streams, sched.update = 0, {}, {3: stream}, None
+    sched.core, sched.streams, sched.update = 0, {3: stream}, None
     sched.unmerged = [[], []]
     sched.import_of = {IMPORT: (1, [(3, 0), (3, 1)])}  # cell 1's sum of micro-batches 0 and 1 of batch 3
     sched.imports = {IMPORT}
-    sched.micro, sched.switches, sched.restarts, sched.syncs, sched.watches, sched.ref_cell = (
-        {},
-        {},
-        {},
-        {},
-        {},
-        {},
-    )
+    sched.micro = {}
+    sched.switches = {}
+    sched.restarts = {}
+    sched.syncs = {}
+    sched.watches = {}
+    sched.ref_cell = {}
     sched.lost: list[tuple[int, str]] = []
     sched._cell_lost = lambda index, why: sched.lost.append((index, why))
     return sched, stream

@@ -34,6 +34,7 @@ from gyre_ray.agents.sandbox import (
 from gyre_ray.agents.supervise import Finished, supervise
 from gyre_ray.envs.base import EvalContext, EvalResult, Task, evaluate_with_retries
 from gyre_ray.envs.untrusted import remove_entries
+from gyre_ray.json_values import is_int
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def count_calls(endpoint: Endpoint, execution_id: str) -> int | None:
             count = json.loads(response.read())["records"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    return count if is_int(count) else None
 
 
 def _harness_reason(finished: Finished) -> str:

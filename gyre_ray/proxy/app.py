@@ -224,18 +224,20 @@ def build_app(service: Any) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await model_call(request, openai_api.completions)
 
-    async def require_key_or_admin(request: Request) -> None:
-        if not any(service.is_admin(k) for k in _credentials(request)):
-            await execution_of(request)
+    async def caller_execution(request: Request) -> str | None:
+        """None for the admin token, else the execution the caller's key names (401 for neither)."""
+        if any(service.is_admin(k) for k in _credentials(request)):
+            return None
+        return await execution_of(request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        await require_key_or_admin(request)
+        await caller_execution(request)
         return openai_api.models(service)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
-        await require_key_or_admin(request)
+        await caller_execution(request)
         return openai_api.model(service, model_id)
 
     @app.post("/v1/responses")
@@ -267,10 +269,9 @@ def build_app(service: Any) -> FastAPI:
         return JSONResponse(created, status_code=201)
 
     async def require_admin_or_own(request: Request, execution_id: str) -> None:
-        if not any(service.is_admin(k) for k in _credentials(request)):
-            own = await execution_of(request)
-            if own != execution_id:
-                raise ApiError(403, "an execution's key may read only that execution's records")
+        own = await caller_execution(request)
+        if own is not None and own != execution_id:
+            raise ApiError(403, "an execution's key may read only that execution's records")
 
     @app.get("/gyre/executions/{execution_id}")
     async def execution(request: Request, execution_id: str) -> Response:

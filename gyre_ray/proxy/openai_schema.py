@@ -140,7 +140,7 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request(_NO_LOGPROBS, "logprobs" if self.logprobs else "top_logprobs")
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return getattr(self, self.max_tokens_param())
 
     def max_tokens_param(self) -> str:
         """The field `requested_max_tokens` came from, which an error about it names."""

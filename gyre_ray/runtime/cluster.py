@@ -342,14 +342,14 @@ class Runtime:
     def agent_executors(self, timeout_s: float = 120.0) -> tuple[list[Any], str]:
         """Where executions run, and the proxy URL their harnesses call there: the runner actors
         (`agents.runners`, `gyre_ray.runtime.runners`) or `workers`. An executor Ray is restarting
-        (it died: a runner killed mid-run, say) is waited for, up to `timeout_s` each."""
-        from gyre_ray.runtime.runners import WORKERS_NAME, runner_base_url, runner_name, wait_until_answering
+        (it died: a runner killed mid-run, say) is waited for; all answer within `timeout_s`."""
+        from gyre_ray.runtime.runners import WORKERS_NAME, node_ips, runner_base_url, runner_name
 
         if not self.runners:
             return [self.workers], self.proxy.base_url
         # (the proxy's replicas run beside `workers`, on the control node)
-        proxy_ip = wait_until_answering(self.workers, WORKERS_NAME, timeout_s)
-        runner_ips = [wait_until_answering(r, runner_name(i), timeout_s) for i, r in enumerate(self.runners)]
+        names = [WORKERS_NAME, *(runner_name(i) for i in range(len(self.runners)))]
+        proxy_ip, *runner_ips = node_ips([self.workers, *self.runners], names, timeout_s)
         url = runner_base_url(self.proxy.base_url, self.config.proxy.host, proxy_ip, runner_ips)
         return list(self.runners), url
 

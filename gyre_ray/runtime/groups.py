@@ -16,6 +16,7 @@ record then does not spend seconds decoding and pickling a long execution (a 417
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,11 +40,13 @@ class GroupResult:
     trees: list[dict[str, Any]] = field(default_factory=list)
 
 
-@functools.lru_cache(maxsize=4)
-def model_decoder(model_json: str) -> Any:
-    """(decode, vocab size) of the tokenizer of a `model` section given as sorted JSON (cached)."""
-    import json
+def model_decoder(model_section: dict[str, Any]) -> Any:
+    """(decode, vocab size) of the tokenizer of a `model` config section (as a dict; cached)."""
+    return _model_decoder(json.dumps(model_section, sort_keys=True))
 
+
+@functools.lru_cache(maxsize=4)
+def _model_decoder(model_json: str) -> Any:
     from gyre_ray.model import load_tokenizer_and_args
     from gyre_ray.model.config import ModelSection
 
@@ -117,15 +120,13 @@ def process_group(
     With `proxy` ({"base_url", "admin_token"}) the executions are finished through it first;
     without, directly in the store.
     """
-    import json
-
     import ray
 
     from gyre_ray.config import GyreConfig
     from gyre_ray.trajectory.pipeline import training_batches_with_stats
 
     cfg = GyreConfig.model_validate(cfg_json)
-    decode, vocab_size = model_decoder(json.dumps(cfg_json["model"], sort_keys=True))
+    decode, vocab_size = model_decoder(cfg_json["model"])
     ids = [o["execution_id"] for o in outcomes]
     if proxy is not None:
         paths = finish_through_proxy(proxy, ids)

@@ -165,6 +165,24 @@ def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> str
             time.sleep(0.2)
 
 
+def node_ips(actors: list[Any], names: list[str], timeout_s: float = 300.0) -> list[str]:
+    """The node address of each executor in `actors` (named `names`), asked of all at once; one that
+    Ray is restarting is waited for (`wait_until_answering`), all within `timeout_s`."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    refs = [actor.node_ip.remote() for actor in actors]
+    ips = []
+    for actor, name, ref in zip(actors, names, refs, strict=True):
+        left = max(1.0, deadline - time.monotonic())
+        try:
+            ips.append(ray.get(ref, timeout=left))
+        except (RayActorError, GetTimeoutError):
+            ips.append(wait_until_answering(actor, name, max(1.0, deadline - time.monotonic())))
+    return ips
+
+
 RUNNER_PROBE_EVERY_S = 5.0  # how often a runner known dead is asked whether Ray has it back
 
 

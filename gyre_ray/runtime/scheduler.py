@@ -529,8 +529,8 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
                 self.recorder.drains.append(result.get("drain_s", 0.0))
                 if not view.is_core:
                     self.sat_version[index] = result["version"]
-                if not view.is_core and self.sat_version[index] < self.trainer_version:
-                    return self._load_trainer(switch)
+                    if self.sat_version[index] < self.trainer_version:
+                        return self._load_trainer(switch)
             else:
                 self.engine_version[index] = result["version"]
                 return self._catch_up(switch)

@@ -82,12 +82,9 @@ class UpdateStages:
         if update.stage == "step":
             update.stage = "publish"
             update.version = int(update.metrics.get("version", self.trainer_version))
-            if update.version <= self.trainer_version:  # no new weights (a step with nothing to train)
-                update.weights = self.weights
-                return self._next_stage()
-            update.weights = core.publish_weights.remote()  # one ticket: every cell fetches it
-            if self._publish_to(update):
-                return
+            # no new weights after a step with nothing to train; else one ticket every cell fetches
+            new = update.version > self.trainer_version
+            update.weights = core.publish_weights.remote() if new else self.weights
             return self._next_stage()
         if self._publish_to(update):  # a cell came back from a switch or a restart meanwhile
             return

@@ -183,17 +183,6 @@ def _run_candidates(
     """`elastic` with each candidate's knobs, by label in candidate order; `jobs` processes at once."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    began = time.monotonic()
-    done: dict[str, SimResult] = {}
-
-    def report(label: str, started: float) -> None:
-        if progress is not None:
-            now = time.monotonic()
-            progress(
-                f"elastic {label}: {done[label].makespan_s / 3600:.2f} h "
-                f"({len(done)}/{len(candidates)}, {now - started:.1f} s)"
-            )
-
     pool = None
     if jobs > 1 and len(candidates) > 1:
         try:
@@ -201,22 +190,27 @@ def _run_candidates(
         except OSError as exc:  # no process pool here (no shared-memory semaphores, a process limit)
             if progress is not None:
                 progress(f"cannot start {jobs} processes ({exc}): the candidates run one at a time")
-    if pool is None:
-        for label, knobs in candidates.items():
-            started = time.monotonic()
-            done[label] = run_policy(wl, "elastic", n_cells, staleness, costs, record, **knobs)
-            report(label, started)
-        return done
-    # the sibling-order candidates take longest (tens of seconds at 48 steps): they start first
-    slow_first = sorted(candidates, key=lambda label: "launch_order" not in candidates[label])
-    tasks = [(label, wl, n_cells, staleness, costs, record, candidates[label]) for label in slow_first]
+    order = list(candidates)
+    if pool is not None:  # the sibling-order candidates take longest (tens of seconds at 48 steps)
+        order.sort(key=lambda label: "launch_order" not in candidates[label])
+    tasks = [(label, wl, n_cells, staleness, costs, record, candidates[label]) for label in order]
+    done: dict[str, SimResult] = {}
+    began = last = time.monotonic()
+    results = map(_run_candidate, tasks) if pool is None else pool.imap_unordered(_run_candidate, tasks)
     try:
-        for label, result in pool.imap_unordered(_run_candidate, tasks):
+        for label, result in results:
             done[label] = result
-            report(label, began)
+            now = time.monotonic()
+            if progress is not None:  # seconds this candidate took; in processes, since the search began
+                progress(
+                    f"elastic {label}: {result.makespan_s / 3600:.2f} h "
+                    f"({len(done)}/{len(candidates)}, {now - (last if pool is None else began):.1f} s)"
+                )
+            last = now
     except BaseException:  # Ctrl-C or a failed simulation: the other candidates are not waited for
-        _POOLS.pop(jobs, None)
-        pool.terminate()
+        if pool is not None:
+            _POOLS.pop(jobs, None)
+            pool.terminate()
         raise
     return {label: done[label] for label in candidates}
 
@@ -239,11 +233,10 @@ def _pool(jobs: int) -> Any:
         pool = _POOLS[jobs] = context.Pool(
             jobs, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
         )
-        if len(_POOLS) == 1:
-            atexit.register(_close_pools)
     return pool
 
 
+@atexit.register
 def _close_pools() -> None:
     """Stop the pools' workers as the process exits (they hold nothing worth waiting for)."""
     while _POOLS:

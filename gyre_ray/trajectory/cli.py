@@ -129,7 +129,7 @@ def _run_decoder(run_json: dict) -> Any:
     from gyre_ray.runtime.groups import model_decoder
 
     try:
-        return model_decoder(json.dumps(run_json["model"], sort_keys=True))[0]
+        return model_decoder(run_json["model"])[0]
     except Exception:  # noqa: BLE001 - a model folder of another machine: shown without text checks
         return None
 
@@ -159,7 +159,6 @@ def _show(args: argparse.Namespace) -> int:
     flags = {"budget": args.budget, "tie_break": args.tie_break}  # (both checked above / by argparse)
     # a run folder: its own settings, as training used them; the flags given win
     cfg = _run_trajectory(run_json).model_copy(update={k: v for k, v in flags.items() if v is not None})
-    decode = _run_decoder(run_json)
     sources = [given]
     if given.is_dir():
         files = record_files(given)
@@ -188,6 +187,7 @@ def _show(args: argparse.Namespace) -> int:
         if args.execution not in executions:
             return _fail(f"no execution {args.execution!r} (have: {', '.join(sorted(executions))})")
         executions = {args.execution: executions[args.execution]}
+    decode = _run_decoder(run_json)  # (loads the tokenizer: not for a listing)
     try:  # records that are each valid may still contradict each other (e.g. a repeated call_id)
         processed = [process_execution(records, cfg, decode=decode) for records in executions.values()]
     except RecordError as exc:
