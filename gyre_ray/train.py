@@ -497,6 +497,9 @@ def format_step(m: dict[str, Any]) -> str:
         f"tokens {m['tokens_expanded_all']} expanded -> {m['tokens_packed_selected']} packed, "
         f"{m['loss_tokens']} loss tokens"
     )
+    if m.get("executions_untrained"):
+        n = m["executions_untrained"]
+        text += f" ({_plural(n, 'execution')} of advantage 0 not trained: zero gradient)"
     if "loss" in m:
         text += f", loss {m['loss']:.4g}, grad norm {m['grad_norm']:.4g}"
         if "logprob_gap_max" in m:

@@ -35,7 +35,7 @@ WORKLOAD = SyntheticWorkload(system_tokens=12, task_tokens=4, subagent_system_to
 
 def make_batches() -> list[MicroBatch]:
     records = {f"e{i}": synthetic_execution(f"e{i}", 40 + i, WORKLOAD)[0] for i in range(6)}
-    rewards = {e: float(i % 3) for i, e in enumerate(records)}
+    rewards = {e: float((i % 3) ** 2) for i, e in enumerate(records)}  # no advantage of 0: all trained
     groups = {e: f"g{i // 3}" for i, e in enumerate(records)}
     traj = TrajectorySection(row_tokens=64, micro_batch_tokens=64)
     cfg = type("Cfg", (), {"trajectory": traj, "algo": AlgoSection(**ALGO)})()

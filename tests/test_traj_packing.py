@@ -136,9 +136,10 @@ def test_build_training_batches_uses_group_normalised_advantages() -> None:
     batches = build_training_batches(
         executions, rewards, groups, TrajectorySection(row_tokens=64, micro_batch_tokens=64)
     )
-    assert step_scale(batches) == pytest.approx(1 / 5)
+    assert step_scale(batches) == pytest.approx(1 / 5)  # e2, e3, e4 count in the mean, untrained
+    assert batches[0].meta["untrained_execution_ids"] == ["e2", "e3", "e4"]  # advantage 0
     std = (((1 - 0.5) ** 2 + (0 - 0.5) ** 2 + 0) / 3) ** 0.5  # population std of group a
-    expected = {"e0": 0.5 / std, "e1": -0.5 / std, "e2": 0.0, "e3": 0.0, "e4": 0.0}
+    expected = {"e0": 0.5 / std, "e1": -0.5 / std}
     paths_seen = 0
     for b in batches:
         live = b.tensors["path_mask"].any(-1)
@@ -147,7 +148,7 @@ def test_build_training_batches_uses_group_normalised_advantages() -> None:
         ):
             assert adv.item() == pytest.approx(expected[b.meta["execution_ids"][owner]], rel=1e-5, abs=1e-7)
             paths_seen += 1
-    assert paths_seen == sum(len(process_execution(r).selected) for r in executions.values())
+    assert paths_seen == sum(len(process_execution(executions[e]).selected) for e in expected)
 
 
 def test_build_training_batches_rejects_missing_rewards_and_skips_empty_executions() -> None:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping
 
+# How an execution of advantage 0 is trained: not at all (its gradient is zero), though its step's
+# mean over executions counts it (`gyre_ray.trajectory.pipeline`, `algo.train_zero_advantage`).
+ZERO_ADVANTAGE = "advantage 0"
+
 
 def group_advantages(
     rewards: Mapping[str, float],

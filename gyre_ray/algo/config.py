@@ -31,3 +31,9 @@ class AlgoSection(Section):
     advantage_eps: float = Field(
         1e-6, gt=0, description="Added to the group standard deviation before dividing."
     )
+    train_zero_advantage: bool = Field(
+        False,
+        description="Also run forward and backward on executions whose advantage is 0 (a group whose "
+        "rewards are all equal). Their gradient is exactly zero, so by default they are not trained; "
+        "they still count in the step's mean over executions, so the update is the same.",
+    )

@@ -143,11 +143,18 @@ def behaviour_sums(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: t
     }
 
 
+def counted_executions(batch: MicroBatch) -> list[str]:
+    """The executions a micro-batch counts in its step's mean: those it holds, and those of advantage
+    0 left out of training that it names (`gyre_ray.trajectory.pipeline`)."""
+    return [*batch.meta.get("execution_ids", []), *batch.meta.get("untrained_execution_ids", [])]
+
+
 def step_scale(batches: list[MicroBatch]) -> float:
-    """1 / (distinct executions across a step's micro-batches): the `scale` for `optimizer_step`."""
+    """1 / (distinct executions across a step's micro-batches, `counted_executions`): the `scale`
+    for `optimizer_step`."""
     executions: set[str] = set()
     for b in batches:
-        executions.update(b.meta.get("execution_ids", []))
+        executions.update(counted_executions(b))
     if not executions:
         raise ValueError("no executions in these micro-batches; nothing to scale")
     return 1.0 / len(executions)

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gyre_ray.algo.advantages import ZERO_ADVANTAGE
 from gyre_ray.trainers.batch import MicroBatch
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class GroupResult:
         default_factory=dict
     )  # exec id -> calls/tokens/trajectories
     trees: list[dict[str, Any]] = field(default_factory=list)
+    untrained: list[str] = field(default_factory=list)  # advantage 0: counted in the step, not trained
 
 
 def model_decoder(model_section: dict[str, Any]) -> Any:
@@ -141,13 +143,15 @@ def process_group(
     batches, trees = training_batches_with_stats(
         records, rewards, dict.fromkeys(records, group), cfg, decode=decode, vocab_size=vocab_size
     )
-    kept = {t["execution_id"]: t["paths_selected"] for t in trees}
+    trained = {t["execution_id"]: t["paths_selected"] for t in trees if t["training"] == "trained"}
     executions = {
         e: {
             "calls": len(recs),
             "tokens": sum(len(r.input_ids) + len(r.output_ids) for r in recs),
-            "trajectories": kept.get(e, 0),
+            "trajectories": trained.get(e, 0),  # trained ones: what the step's training cost
         }
         for e, recs in all_records.items()
     }
-    return GroupResult(group, batches, [loss_token_versions(b) for b in batches], executions, trees)
+    untrained = [t["execution_id"] for t in trees if t["training"] == ZERO_ADVANTAGE]
+    versions = [loss_token_versions(b) for b in batches]
+    return GroupResult(group, batches, versions, executions, trees, untrained)

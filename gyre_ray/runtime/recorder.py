@@ -206,6 +206,8 @@ class RunRecorder:
             "tokens_expanded_all": sum(t["tokens_expanded_all"] for t in trees),
             "tokens_packed_selected": sum(t["tokens_packed_selected"] for t in trees),
             "loss_tokens": sum(t["loss_tokens_selected"] for t in trees),
+            # advantage 0 (their group's rewards all equal): counted in the step's mean, not trained
+            "executions_untrained": len(stream.counted),
             "micro_batches": len(stream.items),
             "trained_by_cell": stream.trained_by_cell(),
             "switches": switches,

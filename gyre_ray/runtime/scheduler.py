@@ -509,6 +509,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
 
     def _group_done(self, result: GroupResult, job: GroupJob) -> None:
         stream = self.streams[job.batch]
+        stream.count(result.untrained)
         for batch, versions in zip(result.batches, result.token_versions, strict=True):
             index = stream.put(ray.put(batch), batch.meta.get("execution_ids", []))
             self.token_versions[(job.batch, index)] = versions

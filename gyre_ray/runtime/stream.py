@@ -4,8 +4,9 @@ Micro-batches arrive (as Ray object refs, or anything) as soon as a group of exe
 and been processed; whichever training cell is free claims the next one; a claim is either trained
 or handed back (the cell left); a trained one whose gradients died with their cell is trained again. When the queue is sealed (no more groups to come) and every
 micro-batch is trained, the step is complete: the gradients of every cell that trained are summed
-on the core and scaled once by `scale` = 1 / (distinct executions in the step's micro-batches),
-exactly as `gyre_ray.algo.gspo.step_scale` does for the single-trainer loop.
+on the core and scaled once by `scale` = 1 / (distinct executions in the step: those in its
+micro-batches and those of advantage 0 left out of training, `count`), exactly as
+`gyre_ray.algo.gspo.step_scale` does for the single-trainer loop.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class MicroBatchStream:
 
     def __init__(self) -> None:
         self.items: list[QueuedMicroBatch] = []
+        self.counted: set[str] = set()  # executions in the step's mean that no micro-batch holds
         self._unclaimed: deque[int] = deque()
         self.sealed = False
         self.released = False
@@ -44,6 +46,13 @@ class MicroBatchStream:
         self.items.append(item)
         self._unclaimed.append(item.index)
         return item.index
+
+    def count(self, execution_ids: Iterable[str]) -> None:
+        """Executions the step's mean counts although no micro-batch holds them (advantage 0: their
+        gradient is zero, so they are not trained)."""
+        if self.sealed:
+            raise RuntimeError("the step's micro-batch queue is sealed: no more executions")
+        self.counted.update(execution_ids)
 
     def seal(self) -> None:
         """No more micro-batches will come for this step."""
@@ -103,10 +112,11 @@ class MicroBatchStream:
         return self.sealed and self.trained_count == len(self.items)
 
     def executions(self) -> set[str]:
-        return {e for item in self.items for e in item.execution_ids}
+        """The executions the step's mean counts: its micro-batches' and the `count`ed ones."""
+        return {e for item in self.items for e in item.execution_ids} | self.counted
 
     def scale(self) -> float:
-        """1 / distinct executions across the step's micro-batches (the optimizer step's `scale`)."""
+        """1 / distinct `executions()` (the optimizer step's `scale`)."""
         executions = self.executions()
         if not executions:
             raise ValueError("no executions in this step's micro-batches; nothing to scale")

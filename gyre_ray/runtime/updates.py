@@ -77,7 +77,11 @@ class UpdateStages:
             if stream.items:
                 update.refs.add(core.optimizer_step.remote(stream.scale()))
                 return
-            update.metrics = {"skipped": "no executions with model-generated tokens"}
+            update.metrics = {
+                "skipped": "every execution had advantage 0 (no learning signal)"
+                if stream.counted
+                else "no executions with model-generated tokens"
+            }
             return self._next_stage()
         if update.stage == "step":
             update.stage = "publish"

@@ -8,7 +8,8 @@ A trace is JSONL (one object per line) or CSV (a header row) with one execution 
   step s replays recorded step s mod (number of recorded steps); without it, every simulated step
   replays the whole trace.
 - `timed_out` (optional): true when the execution hit its timeout (reported only).
-- `trajectories` (optional, on every record or none): paths its tree kept after the role budget;
+- `trajectories` (optional, on every record or none): paths of its tree that were trained (kept after
+  the role budget; 0 where its advantage was 0, as a real run leaves those out of training);
   replaces the simulator's K = min(budget, 1 + floor(d / tau)) when given.
 - accepted and ignored (what a real run's RUN_DIR/trace.jsonl also writes, docs/scheduling.md):
   `exec_id`, `calls`, `tokens`, `dropped`, `version`, `reward`, `runner`.

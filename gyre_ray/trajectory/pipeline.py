@@ -7,6 +7,11 @@
     for b in batches: trainer.forward_backward(b)
     trainer.optimizer_step(step_scale(batches))   # 1 / executions in the step
 
+An execution whose advantage is 0 (its group's rewards are all equal) has a gradient of exactly
+zero: unless `algo.train_zero_advantage` is set, it is left out of the micro-batches and named in the
+first one's `meta["untrained_execution_ids"]` instead, so that `step_scale` still counts it and the
+update is the same, for none of its forward and backward.
+
 `cfg` is the root config (`GyreConfig`, whose `trajectory` and `algo` sections are used) or a
 `TrajectorySection` alone (GSPO advantage defaults then apply).
 """
@@ -17,7 +22,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gyre_ray.algo.advantages import group_advantages
+from gyre_ray.algo.advantages import ZERO_ADVANTAGE, group_advantages
 from gyre_ray.algo.config import AlgoSection
 from gyre_ray.trainers.batch import MicroBatch
 from gyre_ray.trajectory.batching import micro_batches
@@ -137,7 +142,8 @@ def training_batches_with_stats(
     layout: str = "packed",
 ) -> tuple[list[MicroBatch], list[dict[str, Any]]]:
     """Micro-batches for the tree GSPO loss from a set of finished, rewarded executions, and each
-    execution's `ProcessedExecution.stats()` (every tree is built once, for both).
+    execution's `ProcessedExecution.stats()` (every tree is built once, for both), with
+    `training`: "trained", `ZERO_ADVANTAGE` (left out: module docstring) or "no loss tokens".
 
     Advantages are normalised within each group (`group_ids[execution] -> task key`) over the
     executions that have a reward. Executions without records or without model-generated tokens
@@ -152,6 +158,7 @@ def training_batches_with_stats(
     advantages = group_advantages(rewards, group_ids, algo_cfg.normalize_std, algo_cfg.advantage_eps)
     samples: list[Sample] = []
     stats: list[dict[str, Any]] = []
+    untrained: list[str] = []
     for execution_id, records in records_by_execution.items():
         if not records:  # no model calls: nothing to train on (the runner drops such executions)
             continue
@@ -162,11 +169,20 @@ def training_batches_with_stats(
                     f"but is listed under {execution_id!r}"
                 )
         processed = process_execution(records, traj_cfg, decode, vocab_size)
-        stats.append(processed.stats())
-        for sample in execution_samples(processed, advantages[execution_id], layout):
+        pieces = [
+            piece
+            for sample in execution_samples(processed, advantages[execution_id], layout)
             # Roots never attend to each other: shorter pieces keep the dense (T, T) masks small.
-            pieces = split_roots(sample) if layout == "packed" else [sample]
-            samples.extend(piece for piece in pieces if piece.num_loss_tokens)
+            for piece in (split_roots(sample) if layout == "packed" else [sample])
+            if piece.num_loss_tokens
+        ]
+        signal = algo_cfg.train_zero_advantage or advantages[execution_id] != 0.0
+        training = ("trained" if signal else ZERO_ADVANTAGE) if pieces else "no loss tokens"
+        stats.append({**processed.stats(), "training": training})
+        if signal:
+            samples.extend(pieces)
+        elif pieces:
+            untrained.append(execution_id)
     if not samples:
         return [], stats
     batches = micro_batches(
@@ -176,4 +192,6 @@ def training_batches_with_stats(
         share_rows=layout == "packed",
         max_row_padding=traj_cfg.max_row_padding,
     )
+    if untrained:
+        batches[0].meta["untrained_execution_ids"] = untrained
     return batches, stats
