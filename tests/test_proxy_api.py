@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import openai
 import pytest
@@ -620,3 +621,36 @@ def test_options_the_proxy_does_not_serve_are_refused_by_name(proxy):
         "logprobs": (400, "logprobs"), "top_logprobs": (400, "top_logprobs"),
         "completion logprobs": (400, "logprobs"), "best_of": (400, "best_of"), "suffix": (400, "suffix"),
     }  # fmt: skip
+
+
+def test_calls_past_the_waiting_limit_get_their_429_at_once(tmp_path):
+    """Past `max_waiting_per_execution` waiting calls, one more is refused at once (not after the
+    queue timeout), and the waiting count comes back to nothing."""
+    section = ProxySection(max_concurrent_per_execution=1, max_waiting_per_execution=1, queue_timeout_s=5.0)
+    lp = asyncio.run(
+        build_local_proxy(CODEC, _factory(token_delay_s=0.05), tmp_path, num_cells=1, section=section)
+    )
+    message = {"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def body(c, _):
+        headers = {"x-api-key": c.anthropic.api_key}
+
+        async def call():
+            return await c.http.post("/v1/messages", json=message, headers=headers)
+
+        first = asyncio.create_task(call())
+        while not lp.service._inflight:  # the first call holds the only slot
+            await asyncio.sleep(0.005)
+        second = asyncio.create_task(call())
+        while not lp.service._waiting:  # the second waits for it
+            await asyncio.sleep(0.005)
+        started = time.monotonic()
+        third = await call()
+        refused_in = time.monotonic() - started
+        return third, refused_in, await first, await second
+
+    (third, refused_in, first, second), records = scenario(lp, body)
+    assert third.status_code == 429 and "1 waiting" in third.json()["error"]["message"]
+    assert third.headers.get("retry-after") and refused_in < 1.0  # not after queue_timeout_s (5 s)
+    assert first.status_code == 200 and second.status_code == 200  # the waiting one got the slot
+    assert len(records) == 2 and lp.service._waiting == {} and lp.service._inflight == {}

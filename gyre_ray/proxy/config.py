@@ -15,6 +15,12 @@ class ProxySection(Section):
         8000, ge=0, le=65535, description="Port of Serve's HTTP proxy in front of the app (0: any free port)."
     )
     max_concurrent_per_execution: int = Field(8, ge=1, description="Concurrent model calls per execution.")
+    max_waiting_per_execution: int = Field(
+        32,
+        ge=0,
+        description="Calls of one execution that may wait for a slot at once (unread); one more is "
+        "refused with a 429 at once, so no execution can make a replica hold and poll unbounded connections.",
+    )
     queue_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -79,6 +79,7 @@ class ProxyService:
         # key -> (execution, until when it is trusted), LRU of KEY_CACHE entries
         self._keys: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._inflight: dict[str, int] = {}
+        self._waiting: dict[str, int] = {}  # calls waiting for one of the execution's slots
         self._main_system: OrderedDict[str, str] = OrderedDict()  # least recently used dropped first
         self._splices = SpliceCache()
         self._pending: list[tuple[CallRecord, str | None]] = []  # records not yet handed to the store
@@ -347,8 +348,28 @@ class ProxyService:
 
     # ---- running a call -------------------------------------------------------------------------
     async def acquire_slot(self, execution_id: str) -> _Slot:
-        """Wait (up to queue_timeout_s) for one of the execution's concurrent-call slots, else 429."""
+        """Wait (up to queue_timeout_s) for one of the execution's concurrent-call slots, else 429; a
+        429 at once when `max_waiting_per_execution` of its calls already wait."""
         limit = self.section.max_concurrent_per_execution
+        if self._inflight.get(execution_id, 0) >= limit:
+            waiting = self._waiting.get(execution_id, 0)
+            if waiting >= self.section.max_waiting_per_execution:
+                raise ApiError(
+                    429,
+                    f"execution {execution_id} already has {limit} calls in flight and {waiting} "
+                    "waiting for them (the limits)",
+                )
+            self._waiting[execution_id] = waiting + 1
+            try:
+                await self._wait_for_slot(execution_id, limit)
+            finally:
+                self._waiting[execution_id] -= 1
+                if not self._waiting[execution_id]:  # no entry kept per idle execution
+                    del self._waiting[execution_id]
+        self._inflight[execution_id] = self._inflight.get(execution_id, 0) + 1
+        return _Slot(self._inflight, execution_id)
+
+    async def _wait_for_slot(self, execution_id: str, limit: int) -> None:
         deadline = time.monotonic() + self.section.queue_timeout_s
         while self._inflight.get(execution_id, 0) >= limit:
             if time.monotonic() > deadline:
@@ -356,8 +377,6 @@ class ProxyService:
                     429, f"execution {execution_id} already has {limit} calls in flight (the limit)"
                 )
             await asyncio.sleep(0.01)
-        self._inflight[execution_id] = self._inflight.get(execution_id, 0) + 1
-        return _Slot(self._inflight, execution_id)
 
     async def choose_cell(self, execution_id: str, exclude: set[str]) -> str:
         """A routable cell, waiting up to queue_timeout_s while none is (all drained), else 503."""
