@@ -228,3 +228,27 @@ def test_engine_logprobs_equal_the_trainers_recomputed_logprobs() -> None:
 def test_factory_builds_torch() -> None:  # the megatron backend: tests/test_megatron_trainer.py
     t = make_trainer(SECTION, make_model(), ARGS, sum_loss, version=4)
     assert isinstance(t, TorchTrainer) and t.version == 4
+
+
+def test_forward_backward_scores_the_loss_tokens_alone_with_the_same_gradients() -> None:
+    seen: list[torch.Tensor] = []
+
+    def masked_loss(logprobs: torch.Tensor, b: MicroBatch):
+        seen.append(logprobs.detach().clone())
+        return sum_loss(logprobs * b.tensors["loss_mask"], b)
+
+    data = batch(3, 40, seed=4)
+    mask = torch.rand(data.input_ids.shape, generator=torch.Generator().manual_seed(5)) < 0.2
+    data.tensors["loss_mask"] = mask
+    masked = TorchTrainer(make_model(), ARGS, SECTION, masked_loss)
+    masked.forward_backward(data)
+    everything = masked.compute_logprobs(data)  # every token, as the `logprobs` CLI scores them
+    scored = seen[0]
+    assert torch.equal(scored[~mask], torch.zeros_like(scored[~mask]))
+    assert torch.allclose(scored[mask], everything[mask], atol=1e-6)
+    assert (everything[~mask & (data.parent_index >= 0)] != 0).all()
+    unmasked = data.tensors.pop("loss_mask")  # no mask: every token scored, the loss masks them
+    full = TorchTrainer(make_model(), ARGS, SECTION, lambda lp, b: sum_loss(lp * unmasked, b))
+    full.forward_backward(data)
+    for name, p in masked.params.items():
+        assert torch.allclose(p.grad, full.params[name].grad, rtol=1e-5, atol=1e-7), name

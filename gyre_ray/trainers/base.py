@@ -19,7 +19,8 @@ import torch
 
 from gyre_ray.trainers.batch import MicroBatch
 
-# loss_fn(token_logprobs (B, T), batch) -> (scalar loss to backpropagate, metrics)
+# loss_fn(token_logprobs (B, T), batch) -> (scalar loss to backpropagate, metrics). Where the batch has
+# a `loss_mask` the torch trainer scores those tokens alone (the others read 0): a loss reads no other.
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, float]]]
 
 

@@ -167,15 +167,20 @@ def target_logprobs(
     input_ids: torch.Tensor,
     parent_index: torch.Tensor,
     chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    wanted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`token_logprobs` from final hidden states (B, T, H) and the LM head weight (V, H), in chunks.
 
     Only the predicting columns' hidden states are gathered (B x T x H, not x V); each chunk's
-    logits live only inside the chunk. Returns (B, T) float32 or higher, 0 where parent < 0.
+    logits live only inside the chunk. `wanted` (B, T) bool: score only those tokens (a loss's
+    mask: the LM head then runs on them alone). Returns (B, T) float32 or higher, 0 where parent < 0
+    or not wanted.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     has_parent = parent_index >= 0
+    if wanted is not None:
+        has_parent = has_parent & wanted.to(has_parent.device, torch.bool)
     rows, cols = has_parent.nonzero(as_tuple=True)
     predictors = hidden[rows, parent_index[rows, cols]]  # (N, H)
     picked = _ChunkedTargetLogprob.apply(predictors, lm_head_weight, input_ids[rows, cols], chunk_tokens)
@@ -184,11 +189,18 @@ def target_logprobs(
     return out
 
 
-def model_logprobs(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
+def model_logprobs(model: torch.nn.Module, batch: MicroBatch, loss_only: bool = False) -> torch.Tensor:
     """Per-token log-probs (B, T) of `batch` under `model` (a gyre-ray Qwen3ForCausalLM or any model
-    returning logits); the chunked path where the model exposes `hidden_states` and `lm_head`."""
+    returning logits); the chunked path where the model exposes `hidden_states` and `lm_head`.
+    `loss_only`: only the tokens of `batch.tensors["loss_mask"]` are scored, the others read 0 (on
+    the chunked path the LM head then runs on the loss tokens alone: in an agent's trajectory most
+    tokens are prompt and tool output, which the loss never reads)."""
     inputs = (batch.input_ids, batch.position_ids, batch.attention_mask)
+    wanted = batch.tensors.get("loss_mask") if loss_only else None
     if hasattr(model, "hidden_states") and hasattr(model, "lm_head"):
         hidden = model.hidden_states(*inputs)
-        return target_logprobs(hidden, model.lm_head.weight, batch.input_ids, batch.parent_index)
-    return token_logprobs(model(*inputs), batch.input_ids, batch.parent_index)
+        return target_logprobs(
+            hidden, model.lm_head.weight, batch.input_ids, batch.parent_index, wanted=wanted
+        )
+    out = token_logprobs(model(*inputs), batch.input_ids, batch.parent_index)
+    return out if wanted is None else torch.where(wanted.bool(), out, torch.zeros_like(out))

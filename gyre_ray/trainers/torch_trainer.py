@@ -65,14 +65,14 @@ class TorchTrainer(Trainer):
         return next(self.model.parameters()).device
 
     # ------------------------------------------------------------------ compute
-    def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
+    def _logprobs(self, batch: MicroBatch, loss_only: bool = False) -> torch.Tensor:
         if problem := batch_problem(batch, self.args.vocab_size):
             raise TrainerInputError(problem)
-        return model_logprobs(self.model, batch.to(self.device))
+        return model_logprobs(self.model, batch.to(self.device), loss_only)
 
     def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
         self.model.train()
-        logprobs = self._logprobs(batch)
+        logprobs = self._logprobs(batch, loss_only=True)  # the loss reads its mask's tokens alone
         loss, metrics = self.loss_fn(logprobs, batch.to(self.device))
         if loss.dim() != 0:
             raise TrainerInputError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
