@@ -271,3 +271,24 @@ def test_a_bad_run_config_fails_in_one_line_naming_it(
     assert main(["simulate", "--trace", str(run)]) == 2
     err = capsys.readouterr().err
     assert message in err and "give --config" in err and len(err.strip().splitlines()) == 1
+
+
+def test_executions_left_untrained_for_advantage_0_add_no_training_work(tmp_path: Path) -> None:
+    """A real run writes trajectories 0 for an execution of advantage 0 (not trained): the replay
+    trains nothing for it; a step whose every execution is untrained still replays, faster."""
+
+    def replay(untrained: set[tuple[str, str]], name: str) -> float:
+        run = write_run(tmp_path / name, makespan_s=100.0)
+        lines = [json.loads(x) for x in (run / "trace.jsonl").read_text().splitlines()]
+        for x in lines:
+            if (x["exec_id"].split("-")[0], x["task"]) in untrained:
+                x["trajectories"] = 0
+        (run / "trace.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return predict_run(run)["policies"]["colocate"]["predicted_makespan_s"]
+
+    c = COSTS
+    t1_of_step_0 = sum(k for _, k in STEPS[0][2:])  # task t1 of step 0: its two executions' trajectories
+    saved = t1_of_step_0 * c["train_cell_s_per_trajectory"] / c["cells"]
+    assert replay({("s0", "t1")}, "one-task") == pytest.approx(colocate_by_hand() - saved, abs=1e-3)
+    whole_step = replay({("s0", "t1"), ("s2", "t0"), ("s2", "t1")}, "one-step")
+    assert math.isfinite(whole_step) and whole_step < colocate_by_hand() - saved
