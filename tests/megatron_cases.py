@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -72,7 +73,10 @@ def packed_batches(reference: Trainer, seed: int = 0) -> list[MicroBatch]:
     records = synthetic_executions(3, seed=seed, workload=workload)
     rewards = {name: float(i) for i, name in enumerate(records)}
     groups = dict.fromkeys(records, "g")
-    batches = build_training_batches(records, rewards, groups, TrajectorySection(), vocab_size=VOCAB)
+    # the middle execution's advantage is 0: packed all the same, so that the rows have the shapes
+    # (an odd width among the tree rows) these cases need
+    cfg = SimpleNamespace(trajectory=TrajectorySection(), algo=AlgoSection(train_zero_advantage=True))
+    batches = build_training_batches(records, rewards, groups, cfg, vocab_size=VOCAB)
     for batch in batches:
         mask = batch.tensors["loss_mask"]
         current = reference.compute_logprobs(batch)

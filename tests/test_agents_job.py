@@ -53,7 +53,10 @@ def test_the_mini_nl2repo_set_runs_through_the_job_with_the_toy_harness(exec_tmp
     # the toy agent writes answer.txt, not the package: every hidden test fails, so the share is 0
     assert step["reward_mean"] == 0.0 and _reports(run_dir) == ["0/1 hidden tests passed"] * 2
     assert not list(run_dir.glob("workspaces/s0-*-?/test_*.py")), "hidden tests leaked into a workspace"
-    assert step["calls"] > 0 and "loss" in step
+    assert step["calls"] > 0 and step["loss_tokens"] > 0
+    # equal rewards, advantage 0: counted, not trained, and the step takes no optimizer step
+    assert step["executions_untrained"] == 2 and step["micro_batches"] == 0 and "loss" not in step
+    assert "advantage 0" in step["skipped"] and step["version"] == 0
 
 
 def test_hostile_executions_end_with_reasons_and_the_job_finishes(exec_tmp: Path, monkeypatch) -> None:
@@ -105,6 +108,7 @@ def test_claude_code_trains_in_the_job_on_the_mini_nl2repo_set(exec_tmp: Path) -
         exec_tmp, "agents.task_set=nl2repo-mini", "algo.group_size=2", "agents.harness=claude-code",
         "agents.harness_args=[--tools, Write, --system-prompt, You are a coding agent. Write the files.]",
         "proxy.max_output_tokens=12", "agents.timeout_s=240",
+        "algo.train_zero_advantage=true",  # both may score 0: their records are trained all the same
     )  # fmt: skip
     (step,) = summary["steps"]
     run_dir = Path(summary["run_dir"])

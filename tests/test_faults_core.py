@@ -30,6 +30,7 @@ OVERRIDES = [
     "run.steps=3",
     "run.tasks_per_step=1",
     "algo.group_size=2",
+    "algo.train_zero_advantage=true",  # every step trains (a version each), whatever its rewards
     "cells.num_cells=2",
     "scheduler.staleness=0",
     "agents.toy_turns=1",

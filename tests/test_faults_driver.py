@@ -44,6 +44,7 @@ OVERRIDES = [
     "run.steps=2", "run.tasks_per_step=1", "algo.group_size=2", "scheduler.staleness=0",
     "trainer.lr=1e-3", "model.dtype=float64", "agents.task_set=longtail:20", "run.checkpoint_every=1",
     "run.keep_checkpoints=0", "run.wandb_mode=disabled", "cells.cpus_per_cell=1",
+    "algo.train_zero_advantage=true",  # every step trains (a version each), whatever its rewards
 ]  # fmt: skip
 RUN_FOLDER = re.compile(r"gyre-ray: run folder (\S+)")
 

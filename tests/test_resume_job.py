@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = [
     "run.tasks_per_step=1",
     "algo.group_size=2",
+    "algo.train_zero_advantage=true",  # every step trains (a version each), whatever its rewards
     "scheduler.staleness=0",
     "trainer.lr=1e-3",
     "agents.toy_turns=1",

@@ -63,17 +63,22 @@ def summary(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_step_trains_on_scored_executions(summary: dict) -> None:
     assert len(summary["steps"]) == 2
-    for index, step in enumerate(summary["steps"]):
+    version = 0
+    for step in summary["steps"]:
         assert step["executions"] == 3 and step["valid"] == 3 and step["timed_out"] == 0
         assert step["calls"] == 3 * 8  # toy harness: 2 main turns, retry pair, 2 sub-agents, summary, 1 turn
         assert step["paths_selected"] <= 5 * 3 < step["paths_total"]  # the budget of 5 bites
         assert step["tokens_packed_selected"] < step["tokens_expanded_all"]
-        assert step["version"] == index + 1
-        # Every micro-batch was trained (by whichever cells were training then).
-        assert sum(step["trained_by_cell"].values()) == step["micro_batches"] > 0
+        if step["executions_untrained"] == 3:  # equal rewards: advantage 0, no optimizer step
+            assert step["micro_batches"] == 0 and "advantage 0" in step["skipped"]
+        else:
+            version += 1
+            # Every micro-batch was trained (by whichever cells were training then).
+            assert sum(step["trained_by_cell"].values()) == step["micro_batches"] > 0
+            # Engine behaviour logprobs equal the trainer's recomputation on the same weights.
+            assert step["logprob_gap_max"] < 1e-4
+        assert step["version"] == version
         assert step["staleness"]["max"] == 0 and step["later_executions_started"] == 0
-        # Engine behaviour logprobs equal the trainer's recomputation on the same weights.
-        assert step["logprob_gap_max"] < 1e-4
     # Elastic: a cell switched to training (a trainer may stay one into the next step while the other
     # cell carries that step's executions).
     switches = [e["direction"] for step in summary["steps"] for e in step["switches"]]
@@ -134,7 +139,7 @@ def test_ray_metrics_export_every_gyre_metric_with_sane_values(summary: dict) ->
     generated = sum(m.value("ray_gyre_tokens_generated_total", cell=c) for c in ("cell-0", "cell-1"))
     assert trained >= sum(s["loss_tokens"] for s in summary["steps"][:1]) > 0
     assert generated > 0
-    assert m.value("ray_gyre_policy_version") == 2
+    assert m.value("ray_gyre_policy_version") == summary["steps"][-1]["version"] >= 1
     assert m.value("ray_gyre_staleness_max") == 0  # on-policy run
     assert m.value("ray_gyre_trained_token_staleness_count") >= 1
     assert m.value("ray_gyre_switch_seconds_count", direction="to_train") >= 1
