@@ -64,7 +64,8 @@ def gspo_loss():
 
 def packed_batches(reference: Trainer, seed: int = 0) -> list[MicroBatch]:
     """Tree-packed micro-batches of three executions (retries, sub-agents, compaction), made on-policy:
-    behaviour log-probs are `reference`'s, so the GSPO ratio is 1 and every path carries gradient."""
+    behaviour log-probs are `reference`'s, so the GSPO ratio is 1 (the middle execution has advantage 0
+    and no gradient, packed all the same)."""
     workload = SyntheticWorkload(
         system_tokens=12, task_tokens=6, subagent_system_tokens=6, segments=(1, 2), turns=(2, 3),
         output_tokens=(3, 6), tool_tokens=(3, 6), summary_tokens=4, instruction_tokens=2,
