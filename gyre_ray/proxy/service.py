@@ -37,6 +37,13 @@ KEY_TTL_S = 5.0  # a remembered key is asked of the store again after this: a fi
 SESSION_TAKE_TIMEOUT_S = 5.0  # how long a re-routed call waits for its old cell's staged prefix
 
 
+def _count_down(counts: dict[str, int], execution_id: str) -> None:
+    """One less for `execution_id`; no entry is kept for an execution at 0 (idle)."""
+    counts[execution_id] -= 1
+    if not counts[execution_id]:
+        del counts[execution_id]
+
+
 class _Slot:
     """One of an execution's concurrent-call slots; releasing twice is harmless."""
 
@@ -49,9 +56,7 @@ class _Slot:
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._counts[self._execution_id] -= 1
-            if not self._counts[self._execution_id]:  # no entry kept per idle execution
-                del self._counts[self._execution_id]
+            _count_down(self._counts, self._execution_id)
 
     def bind(self, owner: object) -> None:
         """Release at the latest when `owner` (e.g. a response stream that may never run) is collected."""
@@ -332,15 +337,17 @@ class ProxyService:
         }
         if not wanted:
             return {}, None
-        missing = sorted({key for key in wanted.values() if self._splices.get(execution_id, key) is None})
+        hits = {key: self._splices.get(execution_id, key) for key in set(wanted.values())}
+        missing = sorted(key for key, hit in hits.items() if hit is None)
         if missing:
             found = await self.store_read("find_outputs", execution_id, missing)
             for key, (call_id, ids) in found.items():
                 self._splices.remember(execution_id, key, call_id, ids)
+                hits[key] = (call_id, ids)
         spliced: dict[int, list[int]] = {}
         parent = None
         for index, key in wanted.items():
-            hit = self._splices.get(execution_id, key)
+            hit = hits[key]
             if hit is not None:
                 spliced[index] = hit[1]
                 parent = hit[0]
@@ -363,9 +370,7 @@ class ProxyService:
             try:
                 await self._wait_for_slot(execution_id, limit)
             finally:
-                self._waiting[execution_id] -= 1
-                if not self._waiting[execution_id]:  # no entry kept per idle execution
-                    del self._waiting[execution_id]
+                _count_down(self._waiting, execution_id)
         self._inflight[execution_id] = self._inflight.get(execution_id, 0) + 1
         return _Slot(self._inflight, execution_id)
 

@@ -39,7 +39,11 @@ class GroupResult:
         default_factory=dict
     )  # exec id -> calls/tokens/trajectories
     trees: list[dict[str, Any]] = field(default_factory=list)
-    untrained: list[str] = field(default_factory=list)  # advantage 0: counted in the step, not trained
+
+    @property
+    def untrained(self) -> list[str]:
+        """Executions of advantage 0: counted in the step's mean, not trained (their trees say so)."""
+        return [t["execution_id"] for t in self.trees if t["training"] == ZERO_ADVANTAGE]
 
 
 def model_decoder(model_section: dict[str, Any]) -> Any:
@@ -152,6 +156,4 @@ def process_group(
         }
         for e, recs in all_records.items()
     }
-    untrained = [t["execution_id"] for t in trees if t["training"] == ZERO_ADVANTAGE]
-    versions = [loss_token_versions(b) for b in batches]
-    return GroupResult(group, batches, versions, executions, trees, untrained)
+    return GroupResult(group, batches, [loss_token_versions(b) for b in batches], executions, trees)

@@ -169,20 +169,23 @@ def training_batches_with_stats(
                     f"but is listed under {execution_id!r}"
                 )
         processed = process_execution(records, traj_cfg, decode, vocab_size)
-        pieces = [
-            piece
-            for sample in execution_samples(processed, advantages[execution_id], layout)
-            # Roots never attend to each other: shorter pieces keep the dense (T, T) masks small.
-            for piece in (split_roots(sample) if layout == "packed" else [sample])
-            if piece.num_loss_tokens
-        ]
-        signal = algo_cfg.train_zero_advantage or advantages[execution_id] != 0.0
-        training = ("trained" if signal else ZERO_ADVANTAGE) if pieces else "no loss tokens"
-        stats.append({**processed.stats(), "training": training})
-        if signal:
+        figures = processed.stats()
+        if algo_cfg.train_zero_advantage or advantages[execution_id] != 0.0:
+            pieces = [
+                piece
+                for sample in execution_samples(processed, advantages[execution_id], layout)
+                # Roots never attend to each other: shorter pieces keep the dense (T, T) masks small.
+                for piece in (split_roots(sample) if layout == "packed" else [sample])
+                if piece.num_loss_tokens
+            ]
             samples.extend(pieces)
-        elif pieces:
+            training = "trained" if pieces else "no loss tokens"
+        elif figures["loss_tokens_selected"]:  # not packed: its gradient is zero
             untrained.append(execution_id)
+            training = ZERO_ADVANTAGE
+        else:
+            training = "no loss tokens"
+        stats.append({**figures, "training": training})
     if not samples:
         return [], stats
     batches = micro_batches(
