@@ -116,11 +116,13 @@ def test_invariants_hold_for_every_policy(policy: str, knobs: dict, eta: int) ->
     demand_sigma=st.sampled_from([0.0, 0.5]),
     train_cost=st.floats(1.0, 400.0),
     micro_step=st.floats(5.0, 200.0),
+    untrained_batch=st.integers(-1, 3),
     seed=st.integers(0, 10_000),
 )
 def test_invariants_hold_on_random_workloads(
-    tasks, group, steps, cells, eta, sigma, capacity_factor, demand_sigma, train_cost, micro_step, seed
-) -> None:
+    tasks, group, steps, cells, eta, sigma, capacity_factor, demand_sigma, train_cost, micro_step,
+    untrained_batch, seed,
+) -> None:  # fmt: skip
     spec = small_spec(
         tasks_per_step=tasks,
         group_size=group,
@@ -131,6 +133,7 @@ def test_invariants_hold_on_random_workloads(
     )
     wl = sample_workload(spec, steps, seed)
     assume(wl.demand.max() <= wl.capacity_per_cell(cells))
+    wl.trajectories[wl.batch == untrained_batch] = 0  # a batch of advantage 0 only: nothing to train
     costs = SimCosts(micro_step_s=micro_step)
     for policy, knobs in [
         ("colocate", {}),
@@ -374,3 +377,23 @@ def test_48_steps_of_1024_executions_on_8_cells_simulate_in_under_30_s() -> None
     elapsed = time.perf_counter() - start
     assert math.isfinite(result.makespan_s) and len(result.update_times) == 48
     assert elapsed < 30.0, f"took {elapsed:.1f} s"
+
+
+def test_a_batch_with_nothing_to_train_takes_no_optimizer_step_in_the_run_or_the_bound() -> None:
+    """Every execution of advantage 0 (a replayed trace): the runtime skips the optimizer step and
+    publishes nothing, so the simulator charges neither and the bound (which must stay below every
+    schedule) leaves the step out too."""
+    spec = small_spec(tasks_per_step=2, group_size=2, train_cluster_s_per_trajectory=100.0)
+    wl = sample_workload(spec, steps=2, seed=1)
+    wl.duration_s[:] = [300.0, 500.0, 200.0, 400.0, 100.0, 600.0, 250.0, 350.0]
+    wl.trajectories[:] = [1, 1, 1, 1, 0, 0, 0, 0]  # batch 1: nothing to train
+    costs = SimCosts(optimizer_step_s=7.0)
+    bound = lower_bound(wl, 2, 0, optimizer_step_s=7.0)
+    # batch 0: from its group that ends at 400 s, 800 cell-seconds of work and the rest of the 500 s
+    # execution on 2 cells, then the step; batch 1: its longest execution, then no step
+    assert bound.update_s == pytest.approx((857.0, 857.0 + 600.0))
+    result = run_policy(wl, "colocate", 2, 0, costs)
+    per_update = costs.switch_to_train_s + costs.grad_sync_s + costs.optimizer_step_s
+    batch_0 = 500.0 + 800.0 / 2 + per_update + costs.switch_to_rollout_s
+    assert result.makespan_s == pytest.approx(batch_0 + 600.0)  # no switch, no step, for batch 1
+    assert result.makespan_s >= bound.total_s

@@ -9,8 +9,9 @@ Two bounds, the larger wins:
   before the batch's training does (its own group's work comes after it). For every group end
   offset t of batch s, with x = max(U_{s-1}, A_s + t) and A_s = U_{s-eta-1}:
       U_s >= x + (W_s(released at offset >= t) + max(0, h)) / C + optimizer_step.
-  Without the h term, for eta = 0, this is the reference's per-step bound "max over t of
-  (t + training work released at or after t / C)", chained over steps.
+  A batch with no training work at all (every execution of advantage 0) takes no optimizer step, as
+  in the runtime (`step_costs`). Without the h term, for eta = 0, this is the reference's
+  per-step bound "max over t of (t + training work released at or after t / C)", chained over steps.
 - **Work**. Every cell does one thing at a time: (rollout occupancy R + training cell-seconds W +
   cell-seconds in which no work can be done) / C, plus the last optimizer step. R = sum of
   duration x demand / cell capacity. The non-work part is the larger of two lower bounds:
@@ -64,6 +65,7 @@ def lower_bound(
     group_work = np.bincount(wl.group, weights=work, minlength=n_groups)
     group_batch = np.zeros(n_groups, dtype=np.int64)
     group_batch[wl.group] = wl.batch
+    step_s = step_costs(wl, n_cells, optimizer_step_s)
 
     updates: list[float] = []
     for s in range(wl.steps):
@@ -79,7 +81,7 @@ def lower_bound(
             finish = float(np.max(start + _train_time(after, launch + offsets[-1] - start, n_cells)))
         else:
             finish = previous
-        updates.append(finish + optimizer_step_s)
+        updates.append(finish + float(step_s[s]))
     chain = updates[-1] if updates else 0.0
     rollout = wl.duration_s * wl.demand
     per_batch = np.bincount(wl.batch, weights=rollout, minlength=wl.steps) / wl.capacity_per_cell(n_cells)
@@ -90,8 +92,16 @@ def lower_bound(
     idle_s = start_idle_lower_bound(np.asarray(updates), per_batch, train_per_batch, n_cells, staleness)
     total_work = float(np.sum(per_batch)) + float(np.sum(work))
     not_working = max(rollout_role_s - float(np.sum(per_batch)), idle_s)
-    work_bound = (total_work + not_working) / n_cells + optimizer_step_s
+    work_bound = (total_work + not_working) / n_cells + (float(step_s[-1]) if wl.steps else 0.0)
     return LowerBound(max(chain, work_bound), chain, work_bound, tuple(updates))
+
+
+def step_costs(wl: SampledWorkload, n_cells: int, optimizer_step_s: float) -> np.ndarray:
+    """Per batch, the optimizer step its update takes: none for a batch with no training work (a
+    replayed trace whose every execution had advantage 0: the runtime skips the step and publishes
+    nothing), `optimizer_step_s` otherwise."""
+    work = np.bincount(wl.batch, weights=wl.train_cell_s(n_cells), minlength=wl.steps)
+    return np.where(work > 0, optimizer_step_s, 0.0)
 
 
 def rollout_role_lower_bound(rollout_cell_s: np.ndarray, longest_s: np.ndarray, staleness: int) -> float:

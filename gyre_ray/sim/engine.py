@@ -10,7 +10,9 @@ simultaneous events, and does the mechanical parts a real backend does:
   each; when little is queued, the idle trainers split it evenly);
 - when a batch's executions have all ended and its work is trained, the update takes
   `grad_sync_s` per extra cell that trained it plus `optimizer_step_s`, then the version moves on;
-  rollout cells pause `weight_sync_s` to load it (trainers hold it already).
+  rollout cells pause `weight_sync_s` to load it (trainers hold it already). A batch with no
+  training work at all (a replayed step whose every execution had advantage 0) takes neither: the
+  runtime skips its optimizer step and publishes no weights.
 Actions that break a rule (launch past the staleness bound or into a full or non-rollout cell,
 switch a cell whose executions cannot migrate) raise `SimulationError`: the policy is wrong.
 """
@@ -440,7 +442,10 @@ class Simulator:
         if self.unended[v] or self.in_progress[v] or self.ready[v] > EPS:
             return
         self.updating = True
-        extra_cells = max(0, len(self.trained_by[v]) - 1)
+        if not self.trained_by[v]:  # no training work (every execution of advantage 0): as the
+            self._push(self.now, _UPDATE_DONE, v)  # runtime, no optimizer step, no new weights
+            return
+        extra_cells = len(self.trained_by[v]) - 1
         self._push(
             self.now + extra_cells * self.costs.grad_sync_s + self.costs.optimizer_step_s, _UPDATE_DONE, v
         )
@@ -450,7 +455,7 @@ class Simulator:
         self.version += 1
         self.tl.update(self.now)
         sync = self.costs.weight_sync_s
-        if sync <= 0 or self.version >= self.steps:
+        if sync <= 0 or self.version >= self.steps or not self.trained_by[self.version - 1]:
             return
         for cell in self.cells:
             if cell.role is not Role.ROLLOUT:

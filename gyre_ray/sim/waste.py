@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from gyre_ray.sim.bound import step_costs
 from gyre_ray.sim.timeline import SimResult
 from gyre_ray.sim.workload import SampledWorkload
 
@@ -93,7 +94,8 @@ def bound_grant_s(result: SimResult, wl: SampledWorkload, optimizer_step_s: floa
     n_cells = result.n_cells
     rollout = float(np.sum(wl.duration_s * wl.demand)) / wl.capacity_per_cell(n_cells)
     work = float(np.sum(wl.train_cell_s(n_cells)))
-    return max(0.0, n_cells * (result.lower_bound_s - optimizer_step_s) - rollout - work)
+    last_step_s = float(step_costs(wl, n_cells, optimizer_step_s)[-1]) if wl.steps else 0.0
+    return max(0.0, n_cells * (result.lower_bound_s - last_step_s) - rollout - work)
 
 
 def profile_summary(result: SimResult, wl: SampledWorkload, optimizer_step_s: float) -> dict[str, Any]:
