@@ -5,8 +5,8 @@ the same job with `trainer.lr=0` stays flat within noise (Z standard errors, fro
 Each run is the real job (warm-up, Ray, cells, proxy, toy harness, elastic schedule, GSPO) and takes
 minutes on 2 cores, so the module is marked `long`: `make test-long` runs it, `make test` does not.
 The runs share one runs root, so the lr=0 control reuses seed 0's warm-up and starts from the very
-weights seed 0's RL run starts from. The job has an odd number of steps, so its first 3 and last 3
-steps cover the same tasks (two of four per step, in turn) and the trend compares like with like.
+weights seed 0's RL run starts from. Every step of the job covers all four tasks, so the first 3 and
+the last 3 steps compare like with like.
 """
 
 from __future__ import annotations
