@@ -65,7 +65,8 @@ def lower_bound(
     group_work = np.bincount(wl.group, weights=work, minlength=n_groups)
     group_batch = np.zeros(n_groups, dtype=np.int64)
     group_batch[wl.group] = wl.batch
-    step_s = step_costs(wl, n_cells, optimizer_step_s)
+    train_per_batch = wl.train_cell_s_per_batch(n_cells)
+    step_s = step_costs(train_per_batch, optimizer_step_s)
 
     updates: list[float] = []
     for s in range(wl.steps):
@@ -88,7 +89,6 @@ def lower_bound(
     longest = np.zeros(wl.steps)
     np.maximum.at(longest, wl.batch, wl.duration_s)
     rollout_role_s = rollout_role_lower_bound(per_batch, longest, staleness)
-    train_per_batch = np.bincount(wl.batch, weights=work, minlength=wl.steps)
     idle_s = start_idle_lower_bound(np.asarray(updates), per_batch, train_per_batch, n_cells, staleness)
     total_work = float(np.sum(per_batch)) + float(np.sum(work))
     not_working = max(rollout_role_s - float(np.sum(per_batch)), idle_s)
@@ -96,12 +96,11 @@ def lower_bound(
     return LowerBound(max(chain, work_bound), chain, work_bound, tuple(updates))
 
 
-def step_costs(wl: SampledWorkload, n_cells: int, optimizer_step_s: float) -> np.ndarray:
+def step_costs(train_per_batch: np.ndarray, optimizer_step_s: float) -> np.ndarray:
     """Per batch, the optimizer step its update takes: none for a batch with no training work (a
     replayed trace whose every execution had advantage 0: the runtime skips the step and publishes
-    nothing), `optimizer_step_s` otherwise."""
-    work = np.bincount(wl.batch, weights=wl.train_cell_s(n_cells), minlength=wl.steps)
-    return np.where(work > 0, optimizer_step_s, 0.0)
+    nothing, and so does the simulator), `optimizer_step_s` otherwise."""
+    return np.where(train_per_batch > 0, optimizer_step_s, 0.0)
 
 
 def rollout_role_lower_bound(rollout_cell_s: np.ndarray, longest_s: np.ndarray, staleness: int) -> float:

@@ -121,6 +121,9 @@ class Simulator:
         for g, w in zip(self.group_of, work.tolist(), strict=True):
             self.group_work[g] += w
             self.group_left[g] += 1
+        # a batch without training work (a replayed step of advantage 0 only) takes no optimizer step,
+        # gradient or weight sync, as in the runtime and in the bound (`bound.step_costs`)
+        self.has_work = (workload.train_cell_s_per_batch(n_cells) > 0).tolist()
         capacity = workload.capacity_per_cell(n_cells)
         biggest = float(workload.demand.max()) if workload.n_executions else 0.0
         if biggest > capacity + EPS:
@@ -442,20 +445,21 @@ class Simulator:
         if self.unended[v] or self.in_progress[v] or self.ready[v] > EPS:
             return
         self.updating = True
-        if not self.trained_by[v]:  # no training work (every execution of advantage 0): as the
-            self._push(self.now, _UPDATE_DONE, v)  # runtime, no optimizer step, no new weights
+        if not self.has_work[v]:
+            self._push(self.now, _UPDATE_DONE, v)
             return
-        extra_cells = len(self.trained_by[v]) - 1
+        extra_cells = max(0, len(self.trained_by[v]) - 1)
         self._push(
             self.now + extra_cells * self.costs.grad_sync_s + self.costs.optimizer_step_s, _UPDATE_DONE, v
         )
 
     def _finish_update(self) -> None:
+        published = self.has_work[self.version]
         self.updating = False
         self.version += 1
         self.tl.update(self.now)
         sync = self.costs.weight_sync_s
-        if sync <= 0 or self.version >= self.steps or not self.trained_by[self.version - 1]:
+        if sync <= 0 or self.version >= self.steps or not published:
             return
         for cell in self.cells:
             if cell.role is not Role.ROLLOUT:

@@ -142,6 +142,10 @@ class SampledWorkload:
         """Training work of each execution in cell-seconds when the cluster is split into `n_cells`."""
         return self.trajectories * (self.spec.train_cluster_s_per_trajectory * n_cells)
 
+    def train_cell_s_per_batch(self, n_cells: int) -> np.ndarray:
+        """Training work of each batch in cell-seconds (0: every execution of advantage 0, a replayed trace)."""
+        return np.bincount(self.batch, weights=self.train_cell_s(n_cells), minlength=self.steps)
+
     def capacity_per_cell(self, n_cells: int) -> float:
         return self.spec.cluster_capacity / n_cells
 
