@@ -201,6 +201,19 @@ def test_trickle_prefetch_fills_only_the_cells_the_current_batch_needs() -> None
     assert len(of(Launch, make_policy("elastic", prefetch="trickle").decide(s))) == 8
 
 
+def test_trickle_brings_an_idle_trainer_back_only_for_room_it_would_fill() -> None:
+    # an idle trainer (nothing queued) and more of batch 1 launchable than the rollout cells hold
+    cells = [cell(0, T), cell(1), cell(2)]
+    s = state(cells, hosted={1: 1}, pending=[(1, 10)], version=0, eta=1, unended=1)
+    spare = make_policy("elastic", prefetch="spare").decide(s)
+    assert of(SwitchToRollout, spare) == [0]  # spare would place batch 1 on it: it comes back
+    # trickle would not: batch 1 goes only into the straggler's cell, so a return is a switch for nothing
+    assert of(SwitchToRollout, make_policy("elastic", prefetch="trickle").decide(s)) == []
+    # once batch 0 has nothing in flight, trickle places later batches everywhere: the trainer comes back
+    s = state(cells, pending=[(1, 10)], version=0, eta=1, unended=0)
+    assert of(SwitchToRollout, make_policy("elastic", prefetch="trickle").decide(s)) == [0]
+
+
 def test_decide_is_pure() -> None:
     """A decision depends on the state alone: the state is left as it was, and a policy that already
     decided (on this state or another) decides as a fresh one does."""

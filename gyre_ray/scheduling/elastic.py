@@ -32,7 +32,10 @@ treated, the `prefetch` knob:
   batch's own executions need (ceil of their demand over a cell's capacity), so a batch's
   stragglers keep one cell busy with the next batch's launches instead of holding it near empty,
   and cells the current batch no longer needs can go to training. While the trainable batch has
-  nothing in flight, later batches fill every rollout cell as in spare.
+  nothing in flight, later batches fill every rollout cell as in spare. An idle trainer comes back
+  for later batches only where trickle would give it some (in the simulator, whose cells are equal
+  and never overfilled, only while the trainable batch has nothing in flight): a return it would
+  not fill is a switch for nothing.
 With eta = 0 there is no prefetch and the modes decide the same.
 
 `launch_order` says which pending executions of a batch go first: `fifo` (default, id order) or
@@ -124,9 +127,14 @@ class ElasticPolicy(Policy):
         deficit = demand - capacity
         if deficit > EPS:
             actions.extend(self._return_cells(state, deficit))
-        elif everything - capacity > EPS and state.ready_work_s <= EPS:
-            # trainers with nothing to train come back to launch prefetch executions
-            actions.extend(self._return_cells(state, everything - capacity, idle_only=True))
+        elif state.ready_work_s <= EPS:
+            # trainers with nothing to train come back to launch prefetch executions, if they would
+            # get any: trickle places later batches only inside the cells the trainable batch needs
+            wanted = everything - capacity
+            if self.prefetch == "trickle":
+                wanted = min(wanted, _trickle_allowance(state, {}) - room)
+            if wanted > EPS:
+                actions.extend(self._return_cells(state, wanted, idle_only=True))
         returning = bool(actions)
         placed: dict[int, list[float]] = {}
         actions.extend(place_pending(state, free, max_lag=0 if holds_back else None, placed=placed))
@@ -134,8 +142,8 @@ class ElasticPolicy(Policy):
             actions.extend(self._water_level(state, free, capacity, demand, placed))
         if holds_back:
             launched = {a.exec_id for a in actions if isinstance(a, Launch)}
-            room = _trickle_room(state, free, placed) if self.prefetch == "trickle" else free
-            actions.extend(place_pending(state, room, skip=launched))
+            later = _trickle_room(state, free, placed) if self.prefetch == "trickle" else free
+            actions.extend(place_pending(state, later, skip=launched))
         return actions
 
     def _rollout_room_at_pace(self, state: SchedState) -> float:
@@ -250,18 +258,27 @@ def _migrate_into(
     return True
 
 
+def _trickle_allowance(state: SchedState, placed: dict[int, list[float]]) -> float:
+    """`trickle`: how much demand of later batches may launch now (inf while the trainable batch
+    has nothing in flight): the room left inside the cells the trainable batch's executions (those
+    `placed` by this decision included) need, ceil of their demand over a cell's capacity."""
+    v = state.policy_version
+    placed_demand = sum(sum(items) for items in placed.values())
+    current = state.in_flight_demand(v) + placed_demand + state.queued_demand
+    if current <= EPS:
+        return math.inf
+    per_cell = max(c.rollout_capacity for c in state.cells)
+    load = sum(c.load for c in state.cells) + placed_demand
+    return math.ceil(current / per_cell - EPS) * per_cell - load
+
+
 def _trickle_room(
     state: SchedState, free: dict[int, float], placed: dict[int, list[float]]
 ) -> dict[int, float]:
     """`trickle`: room for later batches only inside the cells the trainable batch needs anyway."""
-    v = state.policy_version
-    current = state.in_flight_demand(v)
-    current += sum(sum(items) for items in placed.values()) + state.queued_demand
-    if current <= EPS:
+    allowed = _trickle_allowance(state, placed)
+    if allowed == math.inf:
         return free
-    per_cell = max(c.rollout_capacity for c in state.cells)
-    load = sum(c.load for c in state.cells) + sum(sum(items) for items in placed.values())
-    allowed = math.ceil(current / per_cell - EPS) * per_cell - load
     room: dict[int, float] = {}
     for cell_id in sorted(free, key=lambda c: (free[c], c)):  # fullest first: they stay anyway
         take = min(free[cell_id], max(0.0, allowed))
