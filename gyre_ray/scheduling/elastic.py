@@ -128,11 +128,9 @@ class ElasticPolicy(Policy):
         if deficit > EPS:
             actions.extend(self._return_cells(state, deficit))
         elif state.ready_work_s <= EPS:
-            # trainers with nothing to train come back to launch prefetch executions, if they would
-            # get any: trickle places later batches only inside the cells the trainable batch needs
-            wanted = everything - capacity
-            if self.prefetch == "trickle":
-                wanted = min(wanted, _trickle_allowance(state, {}) - room)
+            # trainers with nothing to train come back for prefetch executions, as far as the mode
+            # would place them beyond the room the rollout cells already have
+            wanted = min(everything - capacity, self._later_allowance(state, {}) - room)
             if wanted > EPS:
                 actions.extend(self._return_cells(state, wanted, idle_only=True))
         returning = bool(actions)
@@ -142,9 +140,14 @@ class ElasticPolicy(Policy):
             actions.extend(self._water_level(state, free, capacity, demand, placed))
         if holds_back:
             launched = {a.exec_id for a in actions if isinstance(a, Launch)}
-            later = _trickle_room(state, free, placed) if self.prefetch == "trickle" else free
+            later = _room_within(free, self._later_allowance(state, placed))
             actions.extend(place_pending(state, later, skip=launched))
         return actions
+
+    def _later_allowance(self, state: SchedState, placed: dict[int, list[float]]) -> float:
+        """How much demand of later batches may launch now: no limit but room, except under trickle
+        (`_trickle_allowance`)."""
+        return _trickle_allowance(state, placed) if self.prefetch == "trickle" else math.inf
 
     def _rollout_room_at_pace(self, state: SchedState) -> float:
         """`paced`: rollout capacity left once enough cells train to clear the backlog at the pace."""
@@ -272,15 +275,12 @@ def _trickle_allowance(state: SchedState, placed: dict[int, list[float]]) -> flo
     return math.ceil(current / per_cell - EPS) * per_cell - load
 
 
-def _trickle_room(
-    state: SchedState, free: dict[int, float], placed: dict[int, list[float]]
-) -> dict[int, float]:
-    """`trickle`: room for later batches only inside the cells the trainable batch needs anyway."""
-    allowed = _trickle_allowance(state, placed)
+def _room_within(free: dict[int, float], allowed: float) -> dict[int, float]:
+    """`free` room cut to `allowed` demand in all, fullest cells first (they stay in rollout anyway)."""
     if allowed == math.inf:
         return free
     room: dict[int, float] = {}
-    for cell_id in sorted(free, key=lambda c: (free[c], c)):  # fullest first: they stay anyway
+    for cell_id in sorted(free, key=lambda c: (free[c], c)):
         take = min(free[cell_id], max(0.0, allowed))
         room[cell_id] = take
         allowed -= take

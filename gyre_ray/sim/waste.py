@@ -93,10 +93,9 @@ def bound_grant_s(result: SimResult, wl: SampledWorkload, optimizer_step_s: floa
     run's rollout occupancy and training work (the bound's start-up or rollout-role term)."""
     n_cells = result.n_cells
     rollout = float(np.sum(wl.duration_s * wl.demand)) / wl.capacity_per_cell(n_cells)
-    work = float(np.sum(wl.train_cell_s(n_cells)))
-    last_step_s = (
-        float(step_costs(wl.train_cell_s_per_batch(n_cells), optimizer_step_s)[-1]) if wl.steps else 0.0
-    )
+    per_batch = wl.train_cell_s_per_batch(n_cells)
+    work = float(np.sum(per_batch))
+    last_step_s = float(step_costs(per_batch, optimizer_step_s)[-1]) if wl.steps else 0.0
     return max(0.0, n_cells * (result.lower_bound_s - last_step_s) - rollout - work)
 
 
