@@ -116,7 +116,9 @@ def test_workers_actor_dies_mid_step(runtime) -> None:
     losses = result["runner_losses"]
     print("workers losses", losses)
     assert len(losses) == 4, losses
-    assert all(loss["actor"] == "workers" and loss["runner"] is None is loss["on_runner"] for loss in losses)
+    # each waited for Ray to start `workers` again rather than block the scheduler loop
+    assert all(loss["actor"] == "workers" and loss["runner"] is None for loss in losses), losses
+    assert all(loss["on_runner"] == "waiting" for loss in losses), losses
     assert all(loss["relaunched_as"] == "r1." + loss["execution"] for loss in losses), losses
     check_nothing_lost(rt.folder, result, executions=4, calls=EXECUTOR.calls)
     assert {row["runner"] for row in result["trace"]} == {"workers"}
@@ -153,8 +155,9 @@ def test_an_evaluation_round_survives_its_executor(runtime) -> None:
 
 
 def test_a_group_whose_processing_dies_with_workers_is_processed_again(runtime) -> None:
-    """A group job on `workers` that fails because the actor died is submitted again (and the loss
-    journaled as a fault), not raised: its records are in the store."""
+    """A group job on `workers` that fails because the actor died waits (and the loss is journaled as
+    a fault), not raised nor blocking the loop; it is submitted again once `workers` answers a probe:
+    its records are in the store."""
     rt = runtime
     from types import SimpleNamespace
 
@@ -173,8 +176,15 @@ def test_a_group_whose_processing_dies_with_workers_is_processed_again(runtime) 
     fake = SimpleNamespace(
         faults=[], _now=lambda: 1.0, journal=SimpleNamespace(fault=journaled.append), workers=rt.workers,
         _submit_group=submitted.append, _group_done=lambda *_: pytest.fail("no result came back"),
+        lost_runners=set(), waiting_groups=[], runner_probe_due={}, lost_at={}, _start_waiting=lambda: None,
     )  # fmt: skip
     job = GroupJob("s0-vowels", 0, 0.5)
     RunScheduler._group_processed(fake, ref, job)
-    assert submitted == [job]
+    assert submitted == [] and fake.waiting_groups == [job] and fake.lost_runners == {None}
     assert journaled == fake.faults and fake.faults[0]["group_processed_again"] == "s0-vowels"
+    for probe, answers in ((doomed.wait.remote(), False), (rt.workers.node_ip.remote(), True)):
+        ray.wait([probe], timeout=60)  # as the loop does: a probe is read once it is ready
+        RunScheduler._runner_probed(fake, probe, None)
+        if not answers:  # the dead actor fails it: asked again later
+            assert submitted == [] and fake.lost_runners == {None} and None in fake.runner_probe_due
+    assert submitted == [job] and fake.waiting_groups == [] and fake.lost_runners == set()

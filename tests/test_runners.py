@@ -11,6 +11,7 @@ import pytest
 from gyre_ray.config import ConfigError, load_config
 from gyre_ray.runtime.journal import RunJournal
 from gyre_ray.runtime.runners import (
+    EXECUTOR_BACK_WITHIN_S,
     MAX_STARTS,
     ExecutorLostError,
     RunnerRecovery,
@@ -118,7 +119,8 @@ def test_an_executions_starts_are_read_from_its_id_and_bounded() -> None:
     class Scheduler(RunnerRecovery):  # only what `_runner_lost` reads before it refuses
         task = type("Task", (), {"task_id": "a"})()
         planned = [type("Item", (), {"execution_id": f"r{MAX_STARTS - 1}.s0-a-0", "task": task})()]
-        store = lost_runners = None
+        store = None
+        lost_runners: set[int | None] = set()
 
     run = type("Run", (), {"exec_id": 0, "runner": None})()
     with pytest.raises(
@@ -159,7 +161,8 @@ def test_a_dead_runner_takes_executions_again_once_it_answers(monkeypatch: pytes
 
     sched = runners_module.RunnerRecovery()
     sched.runners, sched.lost_runners = [runner(0), runner(1)], {1}
-    sched.runner_probes, sched.runner_probe_due = {}, {}
+    sched.runner_probes, sched.runner_probe_due, sched.lost_at = {}, {}, {}
+    sched.waiting_starts, sched.waiting_groups = [], []
     sched._probe_lost_runners()
     sched._probe_lost_runners()  # one probe in flight at a time
     (ref,) = sched.runner_probes
@@ -211,3 +214,80 @@ def test_starting_again_skips_an_id_a_dead_scheduler_registered(monkeypatch: pyt
     registered.update({"r3.x", "r4.x"})
     with pytest.raises(RuntimeError, match="already registered"):  # bounded as any start is
         register_again(store, "r2.x", {"task_id": "t"}, "runner-0")
+
+
+def test_a_start_with_no_executor_answering_waits_without_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`workers` (no runners) died under two executions: each is registered again at once, waits
+    while Ray starts `workers` again (a call then would fail and cost it a start), and both start,
+    journaled, once a probe is answered; nothing in between blocks the scheduler loop."""
+    import time
+    from types import SimpleNamespace
+
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from gyre_ray.agents.launch import PlannedExecution
+    from gyre_ray.runtime import runners as runners_module
+
+    answers: dict[str, object] = {}
+    monkeypatch.setattr(ray, "get", lambda ref, **_: _raise_or(answers[ref]))
+    monkeypatch.setattr(
+        runners_module, "register_again", lambda _s, eid, _m, _n: (relaunch_id(eid), "k-" + eid)
+    )
+    probes: list[str] = []
+    workers = SimpleNamespace(
+        node_ip=SimpleNamespace(remote=lambda: probes.append("p") or f"probe-{len(probes)}")
+    )
+    started, launched, losses = [], [], []
+
+    class Scheduler(RunnerRecovery):
+        def __init__(self) -> None:
+            task = SimpleNamespace(task_id="t")
+            self.planned = [PlannedExecution(f"s0-t-{i}", task, "s0-t") for i in (0, 1)]
+            self.store, self.runners, self.running, self.workers = None, [], {}, workers
+            self.lost_runners, self.runner_probes, self.runner_probe_due, self.lost_at = set(), {}, {}, {}
+            self.waiting_starts, self.waiting_groups = [], []
+            self.runner_losses = losses
+            self.journal = SimpleNamespace(
+                runner_lost=lambda _: None, launched=lambda *a, **kw: launched.append(kw)
+            )
+            self.recorder = SimpleNamespace(ran_on=lambda *_: None)
+            self.ledger = SimpleNamespace(batch_of=[0, 0])
+
+        def _now(self) -> float:
+            return 3.0
+
+        def _pick_runner(self) -> None:
+            return None  # no runners: `workers`
+
+        def _start_execution(self, item: SimpleNamespace, key: str, runner: int | None) -> tuple[str, None]:
+            started.append((item.execution_id, key))
+            return f"ref-{item.execution_id}", runner
+
+    sched = Scheduler()
+    runs = [SimpleNamespace(exec_id=i, runner=None, cell=0, since=1.0, version=0) for i in (0, 1)]
+    for run in runs:
+        sched._runner_lost(run)
+    assert started == [] and launched == [] and sched.lost_runners == {None}
+    assert [(loss["relaunched_as"], loss["on_runner"]) for loss in losses] == [
+        ("r1.s0-t-0", "waiting"),
+        ("r1.s0-t-1", "waiting"),
+    ]
+    sched._probe_lost_runners()
+    (ref,) = sched.runner_probes
+    answers[ref] = ActorUnavailableError("restarting", None)
+    sched._runner_probed(ref, sched.runner_probes.pop(ref))
+    assert started == [] and len(sched.waiting_starts) == 2  # still down: asked again later
+    sched.runner_probe_due[None] = time.monotonic() - 1.0
+    sched.lost_at[None] -= EXECUTOR_BACK_WITHIN_S + 1.0  # down for longer than it may be: the run stops
+    with pytest.raises(ExecutorLostError, match=r"workers did not come back within 300 s"):
+        sched._probe_lost_runners()
+    sched.lost_at[None] += EXECUTOR_BACK_WITHIN_S
+    sched._probe_lost_runners()
+    (ref,) = sched.runner_probes
+    answers[ref] = "10.0.0.1"
+    sched._runner_probed(ref, sched.runner_probes.pop(ref))
+    assert started == [("r1.s0-t-0", "k-s0-t-0"), ("r1.s0-t-1", "k-s0-t-1")]
+    assert sorted(sched.running) == ["ref-r1.s0-t-0", "ref-r1.s0-t-1"] and not sched.waiting_starts
+    assert [(j["execution_id"], j["runner"]) for j in launched] == [("r1.s0-t-0", None), ("r1.s0-t-1", None)]
+    assert sched.lost_at == {}

@@ -13,6 +13,10 @@ too). `RunnerRecovery` (a part of `RunScheduler`) starts each of them again from
 another runner where there is one, under a new id (`r1.<id>`, ...): the lost harness's records stay
 in the store under the old id, its key revoked, and are never trained on; the group's training waits
 for the new execution as for any other. An execution started `MAX_STARTS` times stops the run.
+While every executor it could start on is known dead (say `workers`, with no runners, while Ray
+starts it again), the new start waits, and so does a group job `workers` died processing: the
+scheduler loop goes on deciding, asks the dead executor again every `RUNNER_PROBE_EVERY_S`, and
+sends what waited once it answers.
 
 A runner on another node reaches the proxy over the network: `runner_base_url` gives it the proxy's
 node address where the proxy listens on every interface (`proxy.host=0.0.0.0`), and refuses a proxy
@@ -146,7 +150,10 @@ def register_again(store: Any, execution_id: str, metadata: dict[str, Any], exec
             again = relaunch_id(again)
 
 
-def wait_until_answering(actor: Any, name: str, timeout_s: float = 300.0) -> str:
+EXECUTOR_BACK_WITHIN_S = 300.0  # an executor that died and is not back after this stops the run
+
+
+def wait_until_answering(actor: Any, name: str, timeout_s: float = EXECUTOR_BACK_WITHIN_S) -> str:
     """Block until executor `actor` answers (Ray restarting it after a death: a call sent before the
     new process is up fails too, which would cost an execution a start); returns its node's address;
     ExecutorLostError after `timeout_s`."""
@@ -183,24 +190,42 @@ def node_ips(actors: list[Any], names: list[str], timeout_s: float = 300.0) -> l
     return ips
 
 
-RUNNER_PROBE_EVERY_S = 5.0  # how often a runner known dead is asked whether Ray has it back
+RUNNER_PROBE_EVERY_S = 1.0  # how often an executor known dead is asked whether Ray has it back
 
 
 class RunnerRecovery:
     """Executions whose executor (a runner actor or `workers`) died, started again (a part of `RunScheduler`).
 
-    A runner that died is left out of the choice (`lost_runners`) until it answers again: Ray starts
-    it again, and from then on it takes executions as before (`_probe_lost_runners`)."""
+    An executor that died is in `lost_runners` (a runner's index; None: `workers`) until it answers
+    again (`_probe_lost_runners`): a runner is left out of the choice meanwhile, and a start that
+    has no executor left to go to waits in `waiting_starts` (a group job in `waiting_groups`), so
+    the scheduler loop never blocks on Ray restarting an actor."""
+
+    def _executor(self, runner: int | None) -> Any:
+        """The actor of runner `runner` (None: `workers`)."""
+        return self.workers if runner is None else self.runners[runner]
 
     def _probe_lost_runners(self) -> None:
-        """Ask each runner known dead, at most every `RUNNER_PROBE_EVERY_S`, whether it is back."""
+        """Ask each executor known dead, at most every `RUNNER_PROBE_EVERY_S`, whether it is back;
+        ExecutorLostError once work has waited `EXECUTOR_BACK_WITHIN_S` for one that is not."""
         now = time.monotonic()
+        for runner in self.lost_runners:
+            self.lost_at.setdefault(runner, now)
+        waited_for = [None] if self.waiting_groups and None in self.lost_runners else []
+        if self.waiting_starts:  # (they wait while every executor they could go to is down)
+            waited_for.append(max(self.lost_runners, key=lambda r: self.lost_at[r]))
+        for runner in waited_for:
+            if now - self.lost_at[runner] > EXECUTOR_BACK_WITHIN_S:
+                raise ExecutorLostError(
+                    f"{executor_name(runner)} did not come back within {EXECUTOR_BACK_WITHIN_S:.0f} s of its "
+                    "death; the run stops (see the actor's log in the Ray dashboard)"
+                )
         asked = set(self.runner_probes.values())
         for runner in self.lost_runners - asked:
             if self.runner_probe_due.get(runner, 0.0) <= now:
-                self.runner_probes[self.runners[runner].node_ip.remote()] = runner
+                self.runner_probes[self._executor(runner).node_ip.remote()] = runner
 
-    def _runner_probed(self, ref: Any, runner: int) -> None:
+    def _runner_probed(self, ref: Any, runner: int | None) -> None:
         import ray
         from ray.exceptions import RayActorError
 
@@ -210,37 +235,55 @@ class RunnerRecovery:
             self.runner_probe_due[runner] = time.monotonic() + RUNNER_PROBE_EVERY_S
             return
         self.lost_runners.discard(runner)
+        self.lost_at.pop(runner, None)
+        self._start_waiting()
+        if runner is None:
+            waiting, self.waiting_groups = self.waiting_groups, []
+            for job in waiting:
+                self._submit_group(job)
 
     def _runner_lost(self, run: Any) -> None:
         """The executor of execution `run` died with it in flight (`run.runner`; None: `workers`): start
         it again from the beginning, on another runner where there is one, under a new id and key."""
         lost_id, lost_runner = self.planned[run.exec_id].execution_id, run.runner
-        if lost_runner is not None:
-            self.lost_runners.add(lost_runner)
-        self._start_again(run)
+        self.lost_runners.add(lost_runner)
+        started = self._start_again(run)
         loss = {"runner": lost_runner, "actor": executor_name(lost_runner), "execution": lost_id,
-                "relaunched_as": self.planned[run.exec_id].execution_id, "on_runner": run.runner,
-                "at_s": round(self._now(), 3)}  # fmt: skip
+                "relaunched_as": self.planned[run.exec_id].execution_id,
+                "on_runner": run.runner if started else "waiting", "at_s": round(self._now(), 3)}  # fmt: skip
         self.runner_losses.append(loss)
         self.journal.runner_lost(loss)  # a restarted scheduler's result still lists it
 
-    def _start_again(self, run: Any) -> None:
+    def _start_again(self, run: Any) -> bool:
         """Start planned execution `run`, whose executor (`run.runner`) lost it, afresh under a new id,
-        key and workspace (`register_again`: at most `MAX_STARTS` starts)."""
+        key and workspace (`register_again`: at most `MAX_STARTS` starts). False: every executor it
+        could go to is known dead, and it waits for one to answer (`_start_waiting`)."""
         item = self.planned[run.exec_id]
         again, key = register_again(
             self.store, item.execution_id, {"task_id": item.task.task_id}, executor_name(run.runner)
         )
-        item = self.planned[run.exec_id] = dataclasses.replace(item, execution_id=again)
-        runner = self._pick_runner()
-        wait_until_answering(self._executor(runner), executor_name(runner))
-        ref, run.runner = self._start_execution(item, key, runner)
-        self.running[ref] = run
-        self.recorder.ran_on(run.exec_id, executor_name(run.runner))
-        self.journal.launched(
-            run.exec_id, run.cell, at_s=run.since, execution_id=item.execution_id, group=item.group,
-            step=self.ledger.batch_of[run.exec_id], version=run.version, runner=run.runner,
-        )  # fmt: skip
+        self.planned[run.exec_id] = dataclasses.replace(item, execution_id=again)
+        self.waiting_starts.append((run, key))
+        self._start_waiting()
+        return all(waiting is not run for waiting, _ in self.waiting_starts)
+
+    def _start_waiting(self) -> None:
+        """Start each execution of `waiting_starts` on the least loaded executor not known dead; while
+        every one is (Ray restarting them: a call would fail and cost the execution a start), it waits."""
+        waiting, self.waiting_starts = self.waiting_starts, []
+        for run, key in waiting:
+            runner = self._pick_runner()
+            if runner in self.lost_runners:
+                self.waiting_starts.append((run, key))
+                continue
+            item = self.planned[run.exec_id]
+            ref, run.runner = self._start_execution(item, key, runner)
+            self.running[ref] = run
+            self.recorder.ran_on(run.exec_id, executor_name(run.runner))
+            self.journal.launched(
+                run.exec_id, run.cell, at_s=run.since, execution_id=item.execution_id, group=item.group,
+                step=self.ledger.batch_of[run.exec_id], version=run.version, runner=run.runner,
+            )  # fmt: skip
 
 
 def runner_base_url(base_url: str, proxy_host: str, proxy_ip: str, runner_ips: list[str]) -> str:

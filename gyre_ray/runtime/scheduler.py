@@ -47,7 +47,6 @@ from gyre_ray.runtime.runners import (
     RunnerRecovery,
     executor_name,
     least_loaded,
-    wait_until_answering,
 )
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.updates import KEEP_MICRO_BATCHES, UpdateStages
@@ -150,9 +149,12 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         self.done = False
         self.faults = []
         self.runner_losses: list[dict[str, Any]] = []
-        self.lost_runners: set[int] = set()
-        self.runner_probes: dict[Any, int] = {}  # is a dead runner back? (`_probe_lost_runners`)
-        self.runner_probe_due: dict[int, float] = {}
+        self.lost_runners: set[int | None] = set()  # executors known dead (None: `workers`)
+        self.runner_probes: dict[Any, int | None] = {}  # is a dead executor back? (`_probe_lost_runners`)
+        self.runner_probe_due: dict[int | None, float] = {}
+        self.lost_at: dict[int | None, float] = {}  # when each was first seen dead (monotonic)
+        self.waiting_starts: list[tuple[RunningExecution, str]] = []  # for an executor to come back
+        self.waiting_groups: list[GroupJob] = []  # for `workers` to come back
         for i, view in enumerate(self.views):
             view.enter(CellPhase.TO_ROLLOUT if self._restarting(i) else CellPhase.ROLLOUT, 0.0)
             view.return_requested = False
@@ -332,7 +334,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
                     view.return_requested = True
                     if view.phase is CellPhase.TRAIN_IDLE:
                         self._start_return(action.cell_id)
-        if launches:
+        if launches and self._pick_runner() not in self.lost_runners:  # (else: once one answers again)
             self._launch(launches)
 
     def _launch(self, launches: list[Launch]) -> None:
@@ -367,9 +369,6 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         if not self.runners:
             return None
         return least_loaded((r.runner for r in self.running.values()), len(self.runners), self.lost_runners)
-
-    def _executor(self, runner: int | None) -> Any:
-        return self.workers if runner is None else self.runners[runner]
 
     def _start_execution(
         self, item: PlannedExecution, api_key: str, runner: int | None
@@ -491,6 +490,9 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         self._submit_group(GroupJob(group, self.group_batch[group], now))
 
     def _submit_group(self, job: GroupJob) -> None:
+        if None in self.lost_runners:  # `workers` is known dead: sent once it answers (`_runner_probed`)
+            self.waiting_groups.append(job)
+            return
         outcomes = [self.outcomes[e].to_dict() for e in self.groups[job.group]]
         ref = self.workers.process_group.remote(self.store, job.group, outcomes, self.cfg_json, self.proxy)
         self.jobs[ref] = job
@@ -503,8 +505,10 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
                      "group_processed_again": job.group, "batch": job.batch}  # fmt: skip
             self.faults.append(event)
             self.journal.fault(event)
-            wait_until_answering(self.workers, WORKERS_NAME)
-            return self._submit_group(job)  # its records are in the store: processed again there
+            # submitted again once it answers (`_runner_probed`): its records are in the store
+            self.lost_runners.add(None)
+            self.waiting_groups.append(job)
+            return
         self._group_done(result, job)
 
     def _group_done(self, result: GroupResult, job: GroupJob) -> None:
