@@ -64,6 +64,24 @@ def test_a_failed_import_from_a_dead_satellite_is_its_loss(monkeypatch) -> None:
     assert sched._check_loss(IMPORT) and sched.lost == [(1, "TransferError")]
 
 
+def test_the_core_dying_under_its_import_is_the_cores_loss_not_the_satellites(monkeypatch) -> None:
+    """The import runs on the core: when the core dies under it, the error names the core's actor
+    (checked on Ray 2.60: ActorDiedError with the core's id), and the loss is the core's (the run
+    restarts from a checkpoint), not a restart of the live satellite the import was fetching from."""
+    sched, _ = recovery(monkeypatch, satellite_alive=True)
+    died = ActorDiedError()
+    died.actor_id = "c0" * 16
+    sched.actors[0] = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "c0" * 16))
+    monkeypatch.setattr(ray, "get", lambda ref, **_: _raise(died) if ref == IMPORT else False)
+    assert sched._check_loss(IMPORT) and sched.lost == [(0, "ActorDiedError")]
+    died.actor_id = "5a" * 16  # the satellite's (a task error whose cause is its death): its loss
+    assert sched._check_loss(IMPORT) and sched.lost[-1] == (1, "ActorDiedError")
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 def test_a_failed_import_from_a_live_satellite_still_stops_the_run(monkeypatch) -> None:
     sched, _ = recovery(monkeypatch, satellite_alive=True)
     with pytest.raises(TransferError):

@@ -114,9 +114,20 @@ class CellRecovery:
             # gradients died before the core fetched them (the object it owned is gone)
             if not is_cell_loss(exc) and not (ref in self.import_of and self._gone(index)):
                 raise
-            self._cell_lost(index, f"{type(exc).__name__}")
+            self._cell_lost(self._dead_cell(exc, index), f"{type(exc).__name__}")
             return True
         return False
+
+    def _dead_cell(self, exc: BaseException, index: int) -> int:
+        """The cell whose actor `exc` says died: the one its actor id names where that is a cell's (the
+        core dying under its import of satellite `index`'s gradients is the core's loss, not the
+        satellite's), else `index`, the cell the failed call belongs to."""
+        actor_id = getattr(exc, "actor_id", None)
+        for cell, actor in enumerate(self.actors):
+            handle_id = getattr(actor, "_actor_id", None)
+            if actor_id and handle_id is not None and handle_id.hex() == actor_id:
+                return cell
+        return index
 
     def _gone(self, index: int) -> bool:
         """Whether cell `index`'s actor is dead (asked once, when one of its calls failed oddly)."""
