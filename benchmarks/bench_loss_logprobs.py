@@ -9,11 +9,16 @@ backward) of the same micro-batches both ways, interleaved, on two model shapes:
 - `wide-vocab`: Qwen3's vocabulary (151,936) on a small body (hidden 256, 2 layers), where the LM head
   is most of the work, as it is in small models with real tokenizers.
 
+`--backend megatron` times the Megatron-core trainer (tensor parallel 1) instead: every token's
+logits through Megatron's output layer and `token_logprobs` (what it did before 2026-12-07) against
+its loss-token scoring (`MegatronTrainer._logprobs(batch, loss_only=True)`); it saves
+loss_logprobs_megatron_cpu<cores>.json.
+
 Micro-batches come from the synthetic agent workload (`gyre_ray.trajectory.synthetic`, its default
 shape) through the real pipeline (trees, selection, packing, micro-batches). Prints the loss-token
 share, seconds per pass and the ratio; saves benchmarks/results/loss_logprobs_cpu<cores>.json.
 
-    python benchmarks/bench_loss_logprobs.py [--executions 6] [--repeats 3] [--threads 2]
+    python benchmarks/bench_loss_logprobs.py [--executions 6] [--repeats 3] [--threads 2] [--backend torch]
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from gyre_ray.algo.config import AlgoSection
 from gyre_ray.algo.gspo import make_tree_gspo_loss
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
-from gyre_ray.trainers.batch import MicroBatch, model_logprobs
+from gyre_ray.trainers.batch import MicroBatch, model_logprobs, token_logprobs
 from gyre_ray.trajectory.config import TrajectorySection
 from gyre_ray.trajectory.pipeline import build_training_batches
 from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_execution
@@ -70,11 +75,39 @@ def one_pass(model: Qwen3ForCausalLM, batches: list[MicroBatch], loss_only: bool
     return time.perf_counter() - started
 
 
+class MegatronPass:
+    """`one_pass` on the Megatron trainer built from the same weights (tensor parallel 1)."""
+
+    def __init__(self, model: Qwen3ForCausalLM) -> None:
+        from gyre_ray.trainers.config import TrainerSection
+        from gyre_ray.trainers.factory import make_trainer
+
+        self.loss_fn = make_tree_gspo_loss(AlgoSection())
+        self.trainer = make_trainer(TrainerSection(backend="megatron"), model, model.args, self.loss_fn)
+
+    def __call__(self, _model: object, batches: list[MicroBatch], loss_only: bool) -> float:
+        trainer = self.trainer
+        trainer.model.train()
+        started = time.perf_counter()
+        for batch in batches:
+            if loss_only:
+                logprobs = trainer._logprobs(batch, loss_only=True)
+            else:  # every token's logits, gathered, as before 2026-12-07
+                mask = trainer._attention_mask(batch)
+                logits = trainer._logits(batch.input_ids, batch.position_ids, mask)
+                logprobs = token_logprobs(logits, batch.input_ids, batch.parent_index)
+            loss, _ = self.loss_fn(logprobs, batch)
+            loss.backward()
+        trainer.zero_grads()
+        return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--executions", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", choices=("torch", "megatron"), default="torch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cases = []
@@ -83,11 +116,12 @@ def main() -> None:
         tokens = sum(int(b.tensors["loss_mask"].numel()) for b in batches)
         loss_tokens = sum(int(b.tensors["loss_mask"].sum()) for b in batches)
         model = init_weights(Qwen3ForCausalLM(shape), seed=0, std=0.02).train()
-        one_pass(model, batches[:1], True)  # warm-up
+        run = one_pass if args.backend == "torch" else MegatronPass(model)
+        run(model, batches[:1], True)  # warm-up
         seconds: dict[str, list[float]] = {"every_token": [], "loss_tokens": []}
         for _ in range(args.repeats):  # interleaved, so drift in the machine's load hits both
-            seconds["every_token"].append(one_pass(model, batches, False))
-            seconds["loss_tokens"].append(one_pass(model, batches, True))
+            seconds["every_token"].append(run(model, batches, False))
+            seconds["loss_tokens"].append(run(model, batches, True))
         best = {k: min(v) for k, v in seconds.items()}
         case = {
             "model": name, "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
@@ -104,10 +138,12 @@ def main() -> None:
             f"{case['speedup']:.2f}x",
             flush=True,
         )
-    out = RESULTS / f"loss_logprobs_cpu{os.cpu_count()}.json"
+    backend = "" if args.backend == "torch" else f"{args.backend}_"
+    out = RESULTS / f"loss_logprobs_{backend}cpu{os.cpu_count()}.json"
     RESULTS.mkdir(exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-            "executions": args.executions, "repeats": args.repeats, "torch": torch.__version__}  # fmt: skip
+            "executions": args.executions, "repeats": args.repeats, "torch": torch.__version__,
+            "backend": args.backend}  # fmt: skip
     out.write_text(json.dumps({"meta": meta, "cases": cases}, indent=1) + "\n")
     print(f"saved {out}")
 

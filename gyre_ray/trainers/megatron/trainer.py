@@ -18,9 +18,14 @@ Forward on a tree-packed `MicroBatch`: Megatron's embedding, then its decoder wi
   takes the tree as an explicit `[B, 1, T, T]` mask (Megatron's convention: True = masked out).
   Packed THD kernels cannot express a tree, so they are not used.
 
-Logits are vocab-sharded under tensor parallelism; `gather_from_tensor_model_parallel_region` joins
-them (its backward splits the gradient again) and `gyre_ray.trainers.batch.token_logprobs` reads
-log-probs per the contract there, so the loss is the very `gyre_ray.algo` loss the torch trainer uses.
+Log-probs follow `gyre_ray.trainers.batch.token_logprobs`'s contract, so the loss is the very
+`gyre_ray.algo` loss the torch trainer uses. The LM head runs only on the columns that predict a
+scored token (`_target_logprobs`): in `forward_backward` those are the loss tokens alone (the model's
+own outputs; an agent's trajectory is mostly prompt and tool output), in chunks of
+`LOGPROB_CHUNK_TOKENS`. With tensor parallel 1 that is `batch.target_logprobs`; above it the logits
+stay vocab-sharded and Megatron's `vocab_parallel_cross_entropy` reads each target's log-prob (two
+all-reduces of one number per token instead of gathering the vocabulary). Context parallel gathers
+each share's logits (`share_logprobs`) and scores every token.
 
 Gradients: summed across calls. Megatron sums q/k-norm gradients over the tensor-parallel group in
 `finalize_model_grads` (those norms see only this rank's heads); without its DDP wrapper this trainer
@@ -45,7 +50,13 @@ from gyre_ray.model.checkpoint import read_hf_weights
 from gyre_ray.model.qwen3 import plan_mask
 from gyre_ray.model.tree_attention import plan_tree
 from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
-from gyre_ray.trainers.batch import MicroBatch, batch_problem, dense_attention_mask, token_logprobs
+from gyre_ray.trainers.batch import (
+    LOGPROB_CHUNK_TOKENS,
+    MicroBatch,
+    batch_problem,
+    dense_attention_mask,
+    target_logprobs,
+)
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
 from gyre_ray.trainers.megatron.context_parallel import SharePlan, share_logprobs, share_of
@@ -117,26 +128,62 @@ class MegatronTrainer(Trainer):
         return next(iter(self.params.values())).device
 
     # ------------------------------------------------------------------ compute
-    def _logprobs(self, batch: MicroBatch) -> torch.Tensor:
+    def _logprobs(self, batch: MicroBatch, loss_only: bool = False) -> torch.Tensor:
+        """(B, T) log-probs of `batch`'s tokens; `loss_only`: only its loss tokens are scored (the
+        others read 0), as the torch trainer's `model_logprobs(..., loss_only=True)`."""
         if problem := batch_problem(batch, self.args.vocab_size):
             raise MegatronInputError(problem)
         batch = batch.to(self.device)
         if self.cp_size > 1:
             return self._share_logprobs(batch)
-        logits = self._logits(batch.input_ids, batch.position_ids, self._attention_mask(batch))
-        return token_logprobs(logits, batch.input_ids, batch.parent_index)
+        hidden = self._hidden(batch.input_ids, batch.position_ids, self._attention_mask(batch))
+        wanted = batch.tensors.get("loss_mask") if loss_only else None
+        return self._target_logprobs(hidden.transpose(0, 1), batch, wanted)
+
+    def _hidden(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+        """[T, B, H] final hidden states of columns `ids` (B, T) through embedding and decoder."""
+        hidden = self.model.embedding(input_ids=ids, position_ids=position_ids)  # [T, B, H]
+        return self.model.decoder(
+            hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=self._rotary(position_ids)
+        )
+
+    def _output_weight(self) -> torch.Tensor | None:
+        """The LM head's (local shard of the) weight when tied to the embedding; None: its own."""
+        return self.model.shared_embedding_or_output_weight() if self.args.tie_word_embeddings else None
 
     def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any) -> torch.Tensor:
         """(B, T, V) logits of columns `ids` (B, T) through embedding, decoder and LM head."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        hidden = self.model.embedding(input_ids=ids, position_ids=position_ids)  # [T, B, H]
-        hidden = self.model.decoder(
-            hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=self._rotary(position_ids)
-        )
-        weight = self.model.shared_embedding_or_output_weight() if self.args.tie_word_embeddings else None
-        logits, _ = self.model.output_layer(hidden, weight=weight)  # [T, B, V / tp]
+        hidden = self._hidden(ids, position_ids, attention_mask)
+        logits, _ = self.model.output_layer(hidden, weight=self._output_weight())  # [T, B, V / tp]
         return gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
+
+    def _target_logprobs(
+        self, hidden: torch.Tensor, batch: MicroBatch, wanted: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(B, T) log-probs from final hidden states `hidden` (B, T, H): the LM head runs on the
+        predicting columns of the scored tokens only (those with a parent, and in `wanted` if given),
+        `LOGPROB_CHUNK_TOKENS` at a time; 0 elsewhere."""
+        weight = self._output_weight()
+        if self.tp_size == 1:
+            lm_head = weight if weight is not None else self.model.output_layer.weight
+            return target_logprobs(hidden, lm_head, batch.input_ids, batch.parent_index, wanted=wanted)
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        scored = batch.parent_index >= 0
+        if wanted is not None:
+            scored = scored & wanted.to(scored.device, torch.bool)
+        rows, cols = scored.nonzero(as_tuple=True)  # the same on every rank: the same collectives
+        predictors = hidden[rows, batch.parent_index[rows, cols]]  # (N, H)
+        targets = batch.input_ids[rows, cols]
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=hidden.device)
+        for start in range(0, targets.numel(), LOGPROB_CHUNK_TOKENS):
+            stop = min(targets.numel(), start + LOGPROB_CHUNK_TOKENS)
+            logits, _ = self.model.output_layer(predictors[start:stop, None], weight=weight)  # [n, 1, V / tp]
+            picked = -vocab_parallel_cross_entropy(logits, targets[start:stop, None]).squeeze(-1)
+            out = out.index_put((rows[start:stop], cols[start:stop]), picked)
+        return out
 
     def _share_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         """Context parallel: this rank runs its share of the columns; the group sums the log-probs."""
@@ -165,7 +212,7 @@ class MegatronTrainer(Trainer):
 
     def forward_backward(self, batch: MicroBatch) -> dict[str, float]:
         self.model.train()
-        logprobs = self._logprobs(batch)
+        logprobs = self._logprobs(batch, loss_only=True)
         loss, metrics = self.loss_fn(logprobs, batch.to(self.device))
         if loss.dim() != 0:
             raise MegatronInputError(f"loss_fn must return a scalar loss, got shape {tuple(loss.shape)}")
