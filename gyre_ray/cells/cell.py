@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gyre_ray.engines.base import EngineInputError, GenerateRequest, KVState, RolloutEngine, TokenEvent
+from gyre_ray.recent import put_recent
 from gyre_ray.transfer import Ticket, Transport, make_transport
 from gyre_ray.transfer.config import TransferSection
 
@@ -262,10 +263,7 @@ class RolloutCell:
     def _remember(self, session: str | None, context: list[int]) -> None:
         if session is None:
             return
-        self._sessions[session] = array("i", context)  # 4 bytes a token: contexts are long
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        put_recent(self._sessions, session, array("i", context), self.max_sessions)  # 4 bytes a token
 
     async def _stage_sessions(self, busy: set[str | None]) -> None:
         """Export and stage the cached prefix of every remembered session not in `busy` (those in

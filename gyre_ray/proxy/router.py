@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from gyre_ray.recent import put_recent
+
 
 class Router:
     """Routing state of one proxy replica."""
@@ -45,10 +47,7 @@ class Router:
                 pins[cell] += 1
         chosen = min(candidates, key=lambda c: (self.load.get(c, 0), pins[c], self.cell_ids.index(c)))
         if execution_id is not None:
-            self.affinity[execution_id] = chosen
-            self.affinity.move_to_end(execution_id)
-            while len(self.affinity) > self.max_affinities:
-                self.affinity.popitem(last=False)
+            put_recent(self.affinity, execution_id, chosen, self.max_affinities)
         return chosen
 
     def started(self, cell_id: str) -> None:

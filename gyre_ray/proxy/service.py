@@ -28,6 +28,7 @@ from gyre_ray.proxy.roles import RoleError, classify_role, system_fingerprint
 from gyre_ray.proxy.router import Router
 from gyre_ray.proxy.splice_cache import SpliceCache
 from gyre_ray.proxy.store import StoreError
+from gyre_ray.recent import put_recent
 from gyre_ray.trajectory.records import CallRecord
 
 MAIN_SYSTEMS_KEPT = 100_000  # executions whose main-agent system prompt a replica remembers
@@ -126,10 +127,8 @@ class ProxyService:
         return await self.store.call("finished_execution_for_key", api_key)
 
     def _cache_key(self, api_key: str, execution_id: str) -> None:
-        self._keys[api_key] = (execution_id, time.monotonic() + KEY_TTL_S)
-        self._keys.move_to_end(api_key)
-        while len(self._keys) > KEY_CACHE:  # the store knows every key: a miss only costs a look-up
-            self._keys.popitem(last=False)
+        # the store knows every key: a miss only costs a look-up
+        put_recent(self._keys, api_key, (execution_id, time.monotonic() + KEY_TTL_S), KEY_CACHE)
 
     # ---- admin ----------------------------------------------------------------------------------
     async def register_execution(
@@ -265,9 +264,7 @@ class ProxyService:
         if execution_id in self._main_system:
             self._main_system.move_to_end(execution_id)
         elif role == "main":
-            self._main_system[execution_id] = system_fingerprint(prompt)
-            while len(self._main_system) > MAIN_SYSTEMS_KEPT:
-                self._main_system.popitem(last=False)
+            put_recent(self._main_system, execution_id, system_fingerprint(prompt), MAIN_SYSTEMS_KEPT)
         assistant_tokens, parent = await self.recorded_outputs(execution_id, prompt)
         try:
             input_ids = self.codec.prompt_ids(prompt, assistant_tokens)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.proxy import store_files
+from gyre_ray.recent import put_recent
 from gyre_ray.trajectory.records import CallRecord
 
 EXECUTION_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
@@ -296,10 +297,7 @@ class TrajectoryStore:
         self._by_digest[digest] = ex.execution_id
 
     def _index_splice(self, ex: _Execution, key: str, call_id: str, output_ids: list[int]) -> None:
-        ex.splice[key] = (call_id, output_ids)
-        ex.splice.move_to_end(key)
-        while len(ex.splice) > SPLICE_ENTRIES_PER_EXECUTION:
-            ex.splice.popitem(last=False)
+        put_recent(ex.splice, key, (call_id, output_ids), SPLICE_ENTRIES_PER_EXECUTION)
 
     def _replay(self) -> None:
         """A store started on a folder a previous store wrote in durable mode: take its state back."""

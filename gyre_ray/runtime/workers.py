@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from gyre_ray.agents.sandbox import reap_orphans
+from gyre_ray.recent import put_recent
 from gyre_ray.runtime.groups import GroupResult, process_group
 
 log = logging.getLogger(__name__)
@@ -80,9 +81,7 @@ class RunWorkers:
 
     def _remember(self, execution_id: str, ended: tuple[bool, Any], done: threading.Event) -> None:
         with self._lock:
-            self._ended[execution_id] = ended
-            while len(self._ended) > OUTCOMES_KEPT:
-                self._ended.popitem(last=False)
+            put_recent(self._ended, execution_id, ended, OUTCOMES_KEPT)
             if self._running.get(execution_id) is done:
                 del self._running[execution_id]
         done.set()
