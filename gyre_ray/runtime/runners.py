@@ -212,7 +212,7 @@ class RunnerRecovery:
         for runner in self.lost_runners:
             self.lost_at.setdefault(runner, now)
         waited_for = [None] if self.waiting_groups and None in self.lost_runners else []
-        if self.waiting_starts:  # (they wait while every executor they could go to is down)
+        if self.waiting_starts and self.lost_runners:  # (they wait while every executor is down)
             waited_for.append(max(self.lost_runners, key=lambda r: self.lost_at[r]))
         for runner in waited_for:
             if now - self.lost_at[runner] > EXECUTOR_BACK_WITHIN_S:
