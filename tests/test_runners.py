@@ -139,7 +139,7 @@ def test_workspaces_go_under_the_run_folder_or_a_node_local_root(tmp_path) -> No
 
 
 def test_a_dead_runner_takes_executions_again_once_it_answers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`lost_runners` is a while, not the rest of the run: a probe every few seconds brings it back."""
+    """`lost_runners` is a while, not the rest of the run: a probe every second brings it back."""
     import time
     from types import SimpleNamespace
 

@@ -172,7 +172,7 @@ def wait_until_answering(actor: Any, name: str, timeout_s: float = EXECUTOR_BACK
             time.sleep(0.2)
 
 
-def node_ips(actors: list[Any], names: list[str], timeout_s: float = 300.0) -> list[str]:
+def node_ips(actors: list[Any], names: list[str], timeout_s: float = EXECUTOR_BACK_WITHIN_S) -> list[str]:
     """The node address of each executor in `actors` (named `names`), asked of all at once; one that
     Ray is restarting is waited for (`wait_until_answering`), all within `timeout_s`."""
     import ray

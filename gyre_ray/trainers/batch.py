@@ -178,15 +178,27 @@ def target_logprobs(
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    has_parent = parent_index >= 0
-    if wanted is not None:
-        has_parent = has_parent & wanted.to(has_parent.device, torch.bool)
-    rows, cols = has_parent.nonzero(as_tuple=True)
-    predictors = hidden[rows, parent_index[rows, cols]]  # (N, H)
-    picked = _ChunkedTargetLogprob.apply(predictors, lm_head_weight, input_ids[rows, cols], chunk_tokens)
+    rows, cols, predictors, targets = scored_predictors(hidden, input_ids, parent_index, wanted)
+    picked = _ChunkedTargetLogprob.apply(predictors, lm_head_weight, targets, chunk_tokens)
     out = picked.new_zeros(input_ids.shape)
     out[rows, cols] = picked
     return out
+
+
+def scored_predictors(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    parent_index: torch.Tensor,
+    wanted: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens to score (those with a parent, and in `wanted` if given) as (rows, cols), their
+    predicting columns' hidden states (N, H) and their ids (N,): what an LM head needs to read
+    their log-probs from hidden states `hidden` (B, T, H)."""
+    scored = parent_index >= 0
+    if wanted is not None:
+        scored = scored & wanted.to(scored.device, torch.bool)
+    rows, cols = scored.nonzero(as_tuple=True)
+    return rows, cols, hidden[rows, parent_index[rows, cols]], input_ids[rows, cols]
 
 
 def model_logprobs(model: torch.nn.Module, batch: MicroBatch, loss_only: bool = False) -> torch.Tensor:

@@ -55,6 +55,7 @@ from gyre_ray.trainers.batch import (
     MicroBatch,
     batch_problem,
     dense_attention_mask,
+    scored_predictors,
     target_logprobs,
 )
 from gyre_ray.trainers.config import TrainerSection
@@ -171,12 +172,10 @@ class MegatronTrainer(Trainer):
             return target_logprobs(hidden, lm_head, batch.input_ids, batch.parent_index, wanted=wanted)
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        scored = batch.parent_index >= 0
-        if wanted is not None:
-            scored = scored & wanted.to(scored.device, torch.bool)
-        rows, cols = scored.nonzero(as_tuple=True)  # the same on every rank: the same collectives
-        predictors = hidden[rows, batch.parent_index[rows, cols]]  # (N, H)
-        targets = batch.input_ids[rows, cols]
+        # the same tokens on every rank, so every rank makes the same collectives
+        rows, cols, predictors, targets = scored_predictors(
+            hidden, batch.input_ids, batch.parent_index, wanted
+        )
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=hidden.device)
         for start in range(0, targets.numel(), LOGPROB_CHUNK_TOKENS):
             stop = min(targets.numel(), start + LOGPROB_CHUNK_TOKENS)
