@@ -30,7 +30,8 @@ OVERRIDES = [
     "agents.timeout_s=120",
     "trainer.lr=1e-3",
 ]
-EXECUTOR = LongTailExecutor(hour_s=4.0, tool_s=0.4, max_tokens=6, seed=1)
+# "digits" (steps 0 and 2 of the first run) writes no answer: a group of equal rewards every time
+EXECUTOR = LongTailExecutor(hour_s=4.0, tool_s=0.4, max_tokens=6, seed=1, unanswered_tasks=("digits",))
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +96,7 @@ def test_eta1_pipelines_steps_within_the_bound_and_elastic_returns_cells_for_dem
         assert metrics["executions_untrained"] == 3 * len(flat)
         assert all(r["trajectories"] == 0 for r in trace if r["step"] == k and r["task"] in flat)
         assert all(r["trajectories"] > 0 for r in trace if r["step"] == k and r["task"] not in flat)
-    assert flat_tasks > 0, "the run should have a task of equal rewards (digits scores 0 here)"
+    assert flat_tasks > 0, "the unanswered digits task has equal rewards"
 
 
 def test_async_never_switches_and_trains_on_its_fixed_cells(runtime) -> None:
