@@ -11,10 +11,11 @@ import torch
 
 from gyre_ray.model.tree_attention import plan_tree
 from gyre_ray.model.tree_layout import TreeLayout
-from gyre_ray.trainers.batch import MicroBatch, sequential_parent_index
+from gyre_ray.trainers.batch import MicroBatch, sequential_parent_index, target_logprobs
 from gyre_ray.trainers.megatron.context_parallel import (
     chunks_per_rank,
     column_work,
+    local_parents,
     share_of,
     split_columns,
 )
@@ -59,6 +60,35 @@ def test_every_column_is_one_ranks_and_comes_back_in_order(split: str, length: i
         assert all(a[1] < b[0] for a, b in zip(share.ranges, share.ranges[1:], strict=False))  # merged
         plan = plan_tree(share.layout, heads=4, queries=share.ranges)  # its plan's queries, in order
         assert plan.q_len == share.columns.numel()
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_each_loss_token_is_scored_once_from_the_rank_holding_its_predictor(split: str, ranks: int) -> None:
+    """Every rank runs the LM head on its own columns for the scored tokens whose parent it holds
+    (`local_parents`): over the ranks each loss token is scored exactly once, from its parent's
+    hidden state, so the group's sum equals one rank scoring the whole micro-batch."""
+    batch = tree_batch(((0, 40, -1), (40, 55, 0), (55, 71, 0), (71, 90, 2)))
+    batch.input_ids = torch.randint(0, 50, batch.input_ids.shape, generator=torch.Generator().manual_seed(1))
+    length = batch.input_ids.size(1)
+    loss = torch.zeros_like(batch.input_ids)
+    loss[0, 20:40] = loss[0, 47:55] = loss[0, 80:90] = 1  # the model's own outputs, say
+    gen = torch.Generator().manual_seed(2)
+    hidden, head = torch.randn(1, length, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    whole = target_logprobs(hidden, head, batch.input_ids, batch.parent_index, wanted=loss)
+    summed, scored = torch.zeros_like(whole), torch.zeros_like(loss)
+    for rank in range(ranks):
+        share = share_of(batch, ranks, rank, split)
+        parents = local_parents(share)
+        wanted = share.padded(loss, 0)
+        here = (parents >= 0) & wanted.bool()
+        scored += here[:, :length].long()
+        rows, cols = here.nonzero(as_tuple=True)  # each read at its own parent's column
+        assert torch.equal(share.columns[parents[rows, cols]], share.parent_index[rows, cols])
+        hidden_here = share.padded(hidden.transpose(1, 2), 0).transpose(1, 2)[:, share.columns]
+        summed += target_logprobs(hidden_here, head, share.input_ids, parents, wanted=wanted)[:, :length]
+    assert torch.equal(scored, loss * (batch.parent_index >= 0))  # each loss token once, no other
+    assert torch.allclose(summed, whole, atol=1e-6) and bool(whole[loss.bool()].lt(0).all())
 
 
 def imbalance(batch: MicroBatch, ranks: int, split: str) -> float:

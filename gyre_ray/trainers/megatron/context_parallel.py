@@ -24,9 +24,10 @@ says which columns each rank takes (`split_columns`, from the micro-batch's layo
   its query ranges (`plan_tree(..., queries=ranges)`): keys and values, not activations, are what is
   whole per rank;
 - log-probs: a token is scored at its parent's column (`token_logprobs`'s contract), which may be
-  another rank's; each rank scores the tokens whose parent it holds and the group sums the (B, T)
-  result (`sum_across`; its backward hands each rank the whole gradient, since every rank computes
-  the same loss from the same sum);
+  another rank's; each rank runs the LM head only on the columns it holds that predict a scored
+  token (`local_parents`; in training, the loss tokens alone) and the group sums the (B, T) result
+  (`sum_across`; its backward hands each rank the whole gradient, since every rank computes the
+  same loss from the same sum): no rank holds a share's logits over the vocabulary;
 - gradients: every rank's parameters saw only its columns: the trainer sums them over the group.
 
 Padding columns are a chain of their own that no token is scored from (parent -1), so the result is
@@ -202,6 +203,15 @@ class ColumnShare:
     def column_split(self, group: Any) -> ColumnSplit:
         return ColumnSplit(group, self.columns, self.unshuffle, self.in_rank_order)
 
+    def padded(self, t: torch.Tensor, value: int) -> torch.Tensor:
+        """`t` (B, length) of the micro-batch, padded with `value` to the share's width."""
+        return _pad_columns(t, self.input_ids.size(1) - self.length, value)
+
+
+def _pad_columns(t: torch.Tensor, pad: int, value: int) -> torch.Tensor:
+    """`t` (B, T) with `pad` more columns of `value`."""
+    return torch.nn.functional.pad(t, (0, pad), value=value) if pad else t
+
 
 def share_of(batch: MicroBatch, ranks: int, rank: int, split: str = "balanced") -> ColumnShare:
     """Rank `rank`'s share of `batch`'s columns among `ranks` (`split_columns`; every rank computes the
@@ -219,9 +229,6 @@ def share_of(batch: MicroBatch, ranks: int, rank: int, split: str = "balanced") 
     width = -(-length // (ranks * chunks)) * ranks * chunks
     pad = width - length
 
-    def padded(t: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, pad), value=value) if pad else t
-
     layout = TreeLayout(width, mask.rows)
     assignment = split_columns(layout, ranks, split, chunks)
     device = batch.input_ids.device
@@ -234,9 +241,9 @@ def share_of(batch: MicroBatch, ranks: int, rank: int, split: str = "balanced") 
     bounds = [edge for ranges in assignment for lo, hi in ranges for edge in (lo, hi)]
     in_rank_order = bounds == sorted(bounds)  # rank after rank, the columns in order: unshuffle is arange
     return ColumnShare(
-        padded(batch.input_ids, 0),
-        padded(batch.position_ids, 0),
-        padded(batch.parent_index, -1),
+        _pad_columns(batch.input_ids, pad, 0),
+        _pad_columns(batch.position_ids, pad, 0),
+        _pad_columns(batch.parent_index, pad, -1),
         layout,
         assignment[rank],
         columns,
@@ -247,18 +254,10 @@ def share_of(batch: MicroBatch, ranks: int, rank: int, split: str = "balanced") 
     )
 
 
-def share_logprobs(logits: torch.Tensor, share: ColumnShare, group: Any) -> torch.Tensor:
-    """(B, T) log-probs of the whole micro-batch from this rank's logits (B, its columns, V): each token
-    read at its parent's column where this rank holds it, summed over `group`."""
-    ids, parent = share.input_ids, share.parent_index
-    rows, width = ids.shape
-    held = share.columns.numel()
-    local = share.local[parent.clamp(min=0)]  # the parent's place here, -1: elsewhere
-    here = (parent >= 0) & (local >= 0)
-    flat = (torch.arange(rows, device=ids.device)[:, None] * held + local.clamp(min=0)).reshape(-1)
-    logp = torch.log_softmax(
-        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, -1
-    )
-    picked = logp.reshape(-1, logp.size(-1))[flat, ids.reshape(-1)].view(rows, width)
-    mine = torch.where(here, picked, torch.zeros_like(picked))
-    return sum_across(mine, group)[:, : share.length]
+def local_parents(share: ColumnShare) -> torch.Tensor:
+    """(B, width) each token's parent as a place among this rank's columns; -1 where it has none or
+    another rank holds it: `token_logprobs`' parent index for this rank's hidden states (B, its
+    columns, H), so this rank scores exactly the tokens whose parent it holds."""
+    parent = share.parent_index
+    local = share.local[parent.clamp(min=0)]  # -1 where another rank holds the parent
+    return torch.where(parent >= 0, local, torch.full_like(local, -1))

@@ -24,8 +24,10 @@ scored token (`_target_logprobs`): in `forward_backward` those are the loss toke
 own outputs; an agent's trajectory is mostly prompt and tool output), in chunks of
 `LOGPROB_CHUNK_TOKENS`. With tensor parallel 1 that is `batch.target_logprobs`; above it the logits
 stay vocab-sharded and Megatron's `vocab_parallel_cross_entropy` reads each target's log-prob (two
-all-reduces of one number per token instead of gathering the vocabulary). Context parallel gathers
-each share's logits (`share_logprobs`) and scores every token.
+all-reduces of one number per token instead of gathering the vocabulary), each chunk's logits
+computed again in the backward rather than kept (as `target_logprobs` does). Under context parallel
+each rank does the same on its share of the columns, for the scored tokens whose predicting column
+it holds (`context_parallel.local_parents`), and the group sums the log-probs.
 
 Gradients: summed across calls. Megatron sums q/k-norm gradients over the tensor-parallel group in
 `finalize_model_grads` (those norms see only this rank's heads); without its DDP wrapper this trainer
@@ -44,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
@@ -60,7 +63,7 @@ from gyre_ray.trainers.batch import (
 )
 from gyre_ray.trainers.config import TrainerSection
 from gyre_ray.trainers.megatron import build
-from gyre_ray.trainers.megatron.context_parallel import SharePlan, share_logprobs, share_of
+from gyre_ray.trainers.megatron.context_parallel import SharePlan, local_parents, share_of, sum_across
 from gyre_ray.trainers.megatron.convert import hf_to_megatron, megatron_to_hf, merge_shards, shard, split_rule
 
 STATE_FILE = "trainer_state_tp{rank}.pt"
@@ -135,11 +138,11 @@ class MegatronTrainer(Trainer):
         if problem := batch_problem(batch, self.args.vocab_size):
             raise MegatronInputError(problem)
         batch = batch.to(self.device)
-        if self.cp_size > 1:
-            return self._share_logprobs(batch)
-        hidden = self._hidden(batch.input_ids, batch.position_ids, self._attention_mask(batch))
         wanted = batch.tensors.get("loss_mask") if loss_only else None
-        return self._target_logprobs(hidden.transpose(0, 1), batch, wanted)
+        if self.cp_size > 1:
+            return self._share_logprobs(batch, wanted)
+        hidden = self._hidden(batch.input_ids, batch.position_ids, self._attention_mask(batch))
+        return self._target_logprobs(hidden.transpose(0, 1), batch.input_ids, batch.parent_index, wanted)
 
     def _hidden(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any) -> torch.Tensor:
         """[T, B, H] final hidden states of columns `ids` (B, T) through embedding and decoder."""
@@ -161,31 +164,48 @@ class MegatronTrainer(Trainer):
         return gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
 
     def _target_logprobs(
-        self, hidden: torch.Tensor, batch: MicroBatch, wanted: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        parent_index: torch.Tensor,
+        wanted: torch.Tensor | None,
     ) -> torch.Tensor:
-        """(B, T) log-probs from final hidden states `hidden` (B, T, H): the LM head runs on the
-        predicting columns of the scored tokens only (those with a parent, and in `wanted` if given),
-        `LOGPROB_CHUNK_TOKENS` at a time; 0 elsewhere."""
+        """(B, T) log-probs of `input_ids` (B, T), each read at `parent_index`'s column of the final
+        hidden states `hidden` (B, columns, H): the LM head runs on the predicting columns of the
+        scored tokens only (those with a parent, and in `wanted` if given), `LOGPROB_CHUNK_TOKENS` at
+        a time; 0 elsewhere."""
         weight = self._output_weight()
         if self.tp_size == 1:
             lm_head = weight if weight is not None else self.model.output_layer.weight
-            return target_logprobs(hidden, lm_head, batch.input_ids, batch.parent_index, wanted=wanted)
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-        # the same tokens on every rank, so every rank makes the same collectives
-        rows, cols, predictors, targets = scored_predictors(
-            hidden, batch.input_ids, batch.parent_index, wanted
-        )
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=hidden.device)
+            return target_logprobs(hidden, lm_head, input_ids, parent_index, wanted=wanted)
+        # the same tokens on every rank of the tensor-parallel group, so they make the same collectives
+        rows, cols, predictors, targets = scored_predictors(hidden, input_ids, parent_index, wanted)
+        out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
         for start in range(0, targets.numel(), LOGPROB_CHUNK_TOKENS):
             stop = min(targets.numel(), start + LOGPROB_CHUNK_TOKENS)
-            logits, _ = self.model.output_layer(predictors[start:stop, None], weight=weight)  # [n, 1, V / tp]
-            picked = -vocab_parallel_cross_entropy(logits, targets[start:stop, None]).squeeze(-1)
+            chunk = (predictors[start:stop], targets[start:stop], weight)
+            if torch.is_grad_enabled():  # the chunk's logits are computed again in the backward, not kept
+                picked = torch.utils.checkpoint.checkpoint(
+                    self._vocab_parallel_picked, *chunk, use_reentrant=False
+                )
+            else:
+                picked = self._vocab_parallel_picked(*chunk)
             out = out.index_put((rows[start:stop], cols[start:stop]), picked)
         return out
 
-    def _share_logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        """Context parallel: this rank runs its share of the columns; the group sums the log-probs."""
+    def _vocab_parallel_picked(
+        self, predictors: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(n,) log-probs of `targets` from their predicting hidden states (n, H), the logits kept
+        vocab-sharded over the tensor-parallel group (Megatron's `vocab_parallel_cross_entropy`)."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits, _ = self.model.output_layer(predictors[:, None], weight=weight)  # [n, 1, V / tp]
+        return -vocab_parallel_cross_entropy(logits, targets[:, None]).squeeze(-1)
+
+    def _share_logprobs(self, batch: MicroBatch, wanted: torch.Tensor | None) -> torch.Tensor:
+        """Context parallel: this rank runs its share of the columns and scores the tokens (in `wanted`
+        if given) whose predicting column it holds; the group sums the log-probs."""
         try:
             share = share_of(batch, self.cp_size, self.cp_rank, self.cp_split)
         except ValueError as exc:
@@ -193,8 +213,12 @@ class MegatronTrainer(Trainer):
         plan = plan_tree(share.layout, self.local_heads, self.device, queries=share.ranges)
         ids = share.input_ids.index_select(1, share.columns)
         positions = share.position_ids.index_select(1, share.columns)
-        logits = self._logits(ids, positions, SharePlan(plan, share.column_split(self.cp_group)))
-        return share_logprobs(logits, share, self.cp_group)
+        hidden = self._hidden(ids, positions, SharePlan(plan, share.column_split(self.cp_group)))
+        scored_here = share.padded(wanted.long(), 0) if wanted is not None else None
+        mine = self._target_logprobs(
+            hidden.transpose(0, 1), share.input_ids, local_parents(share), scored_here
+        )
+        return sum_across(mine, self.cp_group)[:, : share.length]
 
     def _attention_mask(self, batch: MicroBatch) -> Any:
         """What the decoder passes each layer's core attention: the micro-batch's attention plan
