@@ -30,7 +30,13 @@ from gyre_ray.agents.outcomes import outcome_metrics
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.envs.base import Task, get_task_set
 from gyre_ray.proxy.store_files import json_lines
-from gyre_ray.runtime.runners import ExecutorLostError, register_again, relaunch_id, wait_until_answering
+from gyre_ray.runtime.runners import (
+    EXECUTOR_BACK_WITHIN_S,
+    RUNNER_PROBE_EVERY_S,
+    ExecutorLostError,
+    register_again,
+    relaunch_id,
+)
 
 EVAL_FILE = "eval.jsonl"
 
@@ -151,6 +157,19 @@ def flat_metrics(row: dict[str, Any]) -> dict[str, float]:
 
 
 @dataclass
+class _WaitingStart:
+    """An execution to start again (`item`, under `key`) once executor `executor` answers: Ray is
+    restarting it, and a call sent before the new process is up would fail too."""
+
+    item: EvalItem
+    key: str
+    executor: int
+    since: float  # monotonic: when its executor was found dead
+    probe: Any = None  # an outstanding `node_ip` call; None: ask again at `due`
+    due: float = 0.0
+
+
+@dataclass
 class _Round:
     step: int
     version: int
@@ -158,6 +177,12 @@ class _Round:
     refs: list[Any]
     executor: list[int]  # the index (in `EvalRunner.executors`) each item runs on
     ended: set[Any] = field(default_factory=set)  # refs whose execution came back (not lost)
+    waiting: dict[int, _WaitingStart] = field(default_factory=dict)  # item index -> its start again
+
+    def in_flight(self) -> list[Any]:
+        """What may still come back: executions under way and the probes of executors being waited for."""
+        running = [ref for i, ref in enumerate(self.refs) if ref not in self.ended and i not in self.waiting]
+        return running + [w.probe for w in self.waiting.values() if w.probe is not None]
 
 
 class EvalRunner:
@@ -166,8 +191,9 @@ class EvalRunner:
 
     An execution whose executor dies under it starts again from the beginning on the next executor
     (a restarted `workers` where there is no other), under a new id (`r1.<id>`) and workspace (the
-    same seed), the lost one's key revoked; `MAX_STARTS` starts of one execution abandon the round
-    (a warning, no row; training goes on).
+    same seed), the lost one's key revoked, as soon as that executor answers (`poll` never blocks
+    on Ray restarting it); `MAX_STARTS` starts of one execution, or an executor not back within
+    `EXECUTOR_BACK_WITHIN_S`, abandon the round (a warning, no row; training goes on).
     """
 
     def __init__(
@@ -226,10 +252,11 @@ class EvalRunner:
         import ray
         from ray.exceptions import RayActorError
 
-        waiting = [ref for ref in rnd.refs if ref not in rnd.ended]
+        self._start_waiting(rnd)
+        waiting = [ref for i, ref in enumerate(rnd.refs) if ref not in rnd.ended and i not in rnd.waiting]
         ready = set(ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]) if waiting else set()
         for index, ref in enumerate(rnd.refs):
-            if ref not in ready:
+            if ref not in ready or index in rnd.waiting:
                 continue
             try:
                 ray.get(ref, timeout=0)
@@ -241,20 +268,44 @@ class EvalRunner:
             rnd.ended.add(ref)
 
     def _start_again(self, rnd: _Round, index: int) -> None:
-        """Item `index` of `rnd` again, on the next executor, in a fresh workspace with the same seed."""
+        """Item `index` of `rnd` again, on the next executor, in a fresh workspace with the same seed,
+        once that executor answers (`_start_waiting`)."""
         item, executor = rnd.items[index], (rnd.executor[index] + 1) % len(self.executors)
         meta = {"task_id": item.task_id, "eval": True}
         again_id, key = register_again(
             self.store, item.execution_id, meta, f"evaluation executor {rnd.executor[index]}"
         )
         workspace = item.workspace.with_name(relaunch_id(item.workspace.name))  # (the same seed)
-        again = EvalItem(again_id, item.task_id, workspace)
-        wait_until_answering(self.executors[executor], f"evaluation executor {executor}")
-        rnd.items[index], rnd.refs[index], rnd.executor[index] = (
-            again,
-            self._execute(again, key, executor),
-            executor,
+        rnd.waiting[index] = _WaitingStart(
+            EvalItem(again_id, item.task_id, workspace), key, executor, time.monotonic()
         )
+        self._start_waiting(rnd)
+
+    def _start_waiting(self, rnd: _Round) -> None:
+        """Send each waiting start of `rnd` whose executor answers; ask the others again every
+        `RUNNER_PROBE_EVERY_S`; ExecutorLostError once one has waited `EXECUTOR_BACK_WITHIN_S`."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        for index, start in list(rnd.waiting.items()):
+            now = time.monotonic()
+            if start.probe is None and start.due <= now:
+                start.probe = self.executors[start.executor].node_ip.remote()
+            if start.probe is not None and ray.wait([start.probe], timeout=0)[0]:
+                try:
+                    ray.get(start.probe, timeout=0)
+                except RayActorError:  # still down (or restarting): ask again later
+                    start.probe, start.due = None, now + RUNNER_PROBE_EVERY_S
+                else:
+                    del rnd.waiting[index]
+                    ref = self._execute(start.item, start.key, start.executor)
+                    rnd.items[index], rnd.refs[index], rnd.executor[index] = start.item, ref, start.executor
+                    continue
+            if now - start.since > EXECUTOR_BACK_WITHIN_S:
+                raise ExecutorLostError(
+                    f"evaluation executor {start.executor} did not come back within "
+                    f"{EXECUTOR_BACK_WITHIN_S:.0f} s of its death"
+                )
 
     def poll(self, version: int, timeout_s: float = 0.0) -> list[dict[str, Any]]:
         """Rows of the rounds that have ended (waiting up to `timeout_s` for them), appended to eval.jsonl."""
@@ -282,11 +333,16 @@ class EvalRunner:
                 self.rounds.remove(rnd)
                 self.done_steps.add(rnd.step)
                 rows.append(row)
-            waiting = [ref for rnd in self.rounds for ref in rnd.refs if ref not in rnd.ended]
+            waiting = [ref for rnd in self.rounds for ref in rnd.in_flight()]
             left = deadline - time.monotonic()
-            if not waiting or left <= 0:
+            if not self.rounds or left <= 0:
                 return rows
-            ray.wait(waiting, num_returns=1, timeout=left)  # wakes at the next end (or loss)
+            if any(s.probe is None for rnd in self.rounds for s in rnd.waiting.values()):
+                left = min(left, RUNNER_PROBE_EVERY_S)  # a dead executor to ask again
+            if waiting:
+                ray.wait(waiting, num_returns=1, timeout=left)  # wakes at the next end (or loss)
+            else:
+                time.sleep(left)
 
     def finish(self, version: int, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
         """Wait for every round under way; returns their rows."""

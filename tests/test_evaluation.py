@@ -120,3 +120,64 @@ def test_an_evaluation_whose_executors_keep_dying_is_abandoned_not_the_run(tmp_p
     err = capsys.readouterr().err
     assert "the evaluation round after step 4 is abandoned" in err and "5 times" in err
     assert not (tmp_path / "eval.jsonl").exists()
+
+
+def test_an_evaluation_waits_for_a_restarting_executor_without_blocking_poll(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """An evaluation execution whose executor died is registered again at once and starts when that
+    executor answers a probe (asked every `RUNNER_PROBE_EVERY_S`); `poll` returns meanwhile instead of
+    blocking the driver on Ray's restart. One whose executor is not back within
+    `EXECUTOR_BACK_WITHIN_S` abandons its round."""
+    from types import SimpleNamespace
+
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from gyre_ray import evaluation
+    from gyre_ray.evaluation import EvalItem, EvalRunner, _Round
+    from gyre_ray.runtime.runners import EXECUTOR_BACK_WITHIN_S, relaunch_id
+
+    answers: dict[str, object] = {"dead": ActorUnavailableError("restarting", None)}
+
+    def get(ref, **_):
+        if isinstance(answers[ref], Exception):
+            raise answers[ref]
+        return answers[ref]
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", lambda refs, **_: ([r for r in refs if r in answers], []))
+    monkeypatch.setattr(evaluation, "register_again", lambda _s, eid, _m, _n: (relaunch_id(eid), "k-" + eid))
+    probes: list[str] = []
+    executor = SimpleNamespace(
+        node_ip=SimpleNamespace(remote=lambda: probes.append("p") or f"probe-{len(probes)}")
+    )
+    runner = EvalRunner.__new__(EvalRunner)
+    runner.executors, runner.store, runner.done_steps, runner.run_dir = [executor], None, set(), tmp_path
+    started: list[tuple[str, str]] = []
+    runner._execute = lambda item, key, _e: (
+        started.append((item.execution_id, key)) or "ref-" + item.execution_id
+    )
+
+    def round_of(step: int) -> _Round:
+        item = EvalItem(f"eval-{step}-t-0", "t", tmp_path / f"eval-{step}" / "eval-t-0")
+        return _Round(step, step, [item], ["dead"], [0])
+
+    rnd = round_of(0)
+    runner.rounds = [rnd]
+    assert runner.poll(0) == [] and started == [] and probes == ["p"]  # registered again, not started
+    assert rnd.waiting[0].item.workspace.name == "r1.eval-t-0" and rnd.waiting[0].key == "k-eval-0-t-0"
+    answers["probe-1"] = ActorUnavailableError("restarting", None)
+    assert runner.poll(0) == [] and started == [] and rnd.waiting[0].probe is None  # asked again later
+    rnd.waiting[0].due = 0.0
+    runner.poll(0)
+    answers["probe-2"] = "10.0.0.1"
+    assert runner.poll(0) == [] and started == [("r1.eval-0-t-0", "k-eval-0-t-0")]
+    assert rnd.refs == ["ref-r1.eval-0-t-0"] and not rnd.waiting and rnd in runner.rounds
+
+    late = round_of(1)
+    runner.rounds = [late]
+    runner.poll(0)  # its probe (probe-3) never answers
+    late.waiting[0].since -= EXECUTOR_BACK_WITHIN_S + 1
+    assert runner.poll(0) == [] and runner.rounds == [] and 1 in runner.done_steps and len(started) == 1
+    assert "evaluation executor 0 did not come back within 300 s" in capsys.readouterr().err
