@@ -4,7 +4,7 @@ A call inside a proxy replica that is killed fails in Serve's HTTP proxy actor w
 death: before the response started, Serve answers a plain-text 500; after it started, the body just
 stops. Neither tells a harness to retry. `ReplicaLossMiddleware` wraps Serve's HTTP proxy (Serve
 calls `proxy_middlewares`, named by `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, when a proxy actor
-starts; `gyre_ray.proxy.launch.start_proxy` puts that variable, `PROXY_ENV`, into the Serve
+starts; `gyre_ray.proxy.launch.serve_proxy` puts that variable, `PROXY_ENV`, into the Serve
 controller's runtime env, which the proxy actors it starts inherit):
 
 - no response started (the app answered nothing, raised, or Serve sent its own non-JSON 500): a

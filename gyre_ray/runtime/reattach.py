@@ -148,8 +148,9 @@ class SchedulerReattach:
 
     def _reset_cells(self) -> int:
         """Every live cell back to rollout, undrained, on the published version, holding no gradients;
-        a dead one restarted. Repeated until every cell reads the same twice in a row (a switch the old
-        scheduler started may still be finishing). Returns how many cells needed a reset."""
+        a dead one restarted. Repeated until every cell reads the same `SETTLE_READS` (3) times in a
+        row (a switch the old scheduler started may still be finishing). Returns how many cells
+        needed a reset."""
         reset: set[int] = set()
         last: list[Any] = []
         reads = 0
