@@ -80,7 +80,7 @@ def test_a_harness_that_cannot_start_is_dropped_saying_so(
     from gyre_ray.agents import runner
     from gyre_ray.agents.outcomes import reason_kind
 
-    monkeypatch.setattr(runner, "count_calls", lambda endpoint, execution_id: 0)
+    monkeypatch.setattr(runner, "close_key", lambda endpoint, execution_id: 0)
     task = Task("t", "x", evaluate=lambda ws: EvalResult(1.0))
     out = run_execution(
         "e5",

@@ -59,6 +59,7 @@ def test_finish_revokes_the_key_and_refuses_later_records(tmp_path, durable) -> 
     assert store.execution_info("exec-a") == {
         "execution_id": "exec-a",
         "metadata": {},
+        "closed": True,
         "finished": True,
         "num_records": 1,
     }
@@ -216,7 +217,7 @@ def test_after_finish_a_call_with_the_key_is_refused_and_not_recorded(tmp_path, 
     monkeypatch.setattr(service_module, "KEY_TTL_S", 0.0)
     out = asyncio.run(scenario())
     assert out["before"] == out["before_b"] == out["finish"] == 200
-    refused = (401, "invalid API key: execution 'exec-a' has finished")
+    refused = (401, "invalid API key: execution 'exec-a' has ended (its key is revoked)")
     assert out["after_a"] == out["after_b"] == refused
     assert out["stats"]["rejected_records"] == 0
     assert len(out["records"].splitlines()) == 2  # the calls before the finish only
@@ -241,4 +242,4 @@ def test_after_finish_the_replica_that_served_the_execution_refuses_its_key_too(
         return late.status_code, late.text
 
     status, text = asyncio.run(scenario())
-    assert status == 401 and "execution 'exec-a' has finished" in text
+    assert status == 401 and "execution 'exec-a' has ended" in text

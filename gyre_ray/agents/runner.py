@@ -66,12 +66,16 @@ class ExecutionOutcome:
         return asdict(self)
 
 
-def count_calls(endpoint: Endpoint, execution_id: str) -> int | None:
-    """Recorded model calls of the execution, asked with its own key (None when the proxy can't say).
-    One small answer: reading the records to count them moved every prompt of an hours-long execution
-    (hundreds of MB) through the record store, which every model call waits on."""
-    url = f"{endpoint.base_url.rstrip('/')}/gyre/executions/{execution_id}"
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {endpoint.api_key}"})
+def close_key(endpoint: Endpoint, execution_id: str) -> int | None:
+    """Revoke the execution's key now that its harness has ended (so nothing it left behind, such as
+    code its judge runs, calls the model under it), with that key; returns the model calls the proxy
+    recorded (None when it can't say: the key is then revoked when the step finishes the execution).
+    One small answer: reading the records to count them moved every prompt of an hours-long
+    execution (hundreds of MB) through the record store, which every model call waits on."""
+    url = f"{endpoint.base_url.rstrip('/')}/gyre/executions/{execution_id}/close"
+    request = urllib.request.Request(
+        url, method="POST", data=b"", headers={"Authorization": f"Bearer {endpoint.api_key}"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             count = json.loads(response.read())["records"]
@@ -178,7 +182,8 @@ def _run(
         opts.command, identity=identity, cwd=workspace, env=env, log_path=log_path,
         timeout_s=opts.timeout_s, limits=opts.limits, watch=watch,
     )  # fmt: skip
-    calls = count_calls(endpoint, execution_id) if opts.require_calls else None
+    recorded = close_key(endpoint, execution_id)  # before the judge runs what the agent left
+    calls = recorded if opts.require_calls else None
     reason = _harness_reason(finished)
 
     # the evaluator gets a HOME and TMPDIR of its own, not the agent's (where a `.pth`, a .gitconfig or

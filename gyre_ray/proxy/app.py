@@ -183,7 +183,7 @@ def build_app(service: Any) -> FastAPI:
         for key in keys:
             finished = await service.finished_execution_for_key(key)
             if finished is not None:
-                raise ApiError(401, f"invalid API key: execution {finished!r} has finished")
+                raise ApiError(401, f"invalid API key: execution {finished!r} has ended (its key is revoked)")
         raise ApiError(401, "invalid API key: it names no registered execution")
 
     def require_admin(request: Request) -> None:
@@ -271,7 +271,7 @@ def build_app(service: Any) -> FastAPI:
     async def require_admin_or_own(request: Request, execution_id: str) -> None:
         own = await caller_execution(request)
         if own is not None and own != execution_id:
-            raise ApiError(403, "an execution's key may read only that execution's records")
+            raise ApiError(403, "an execution's key may read or close only its own execution")
 
     @app.get("/gyre/executions/{execution_id}")
     async def execution(request: Request, execution_id: str) -> Response:
@@ -283,6 +283,12 @@ def build_app(service: Any) -> FastAPI:
         await require_admin_or_own(request, execution_id)
         text = await service.records_jsonl(execution_id)
         return PlainTextResponse(text, media_type="application/x-ndjson")
+
+    @app.post("/gyre/executions/{execution_id}/close")
+    async def close(request: Request, execution_id: str) -> Response:
+        """The execution's own key (or the admin token) revokes that key: its harness has ended."""
+        await require_admin_or_own(request, execution_id)
+        return JSONResponse(await service.close_execution(execution_id))
 
     @app.post("/gyre/executions/{execution_id}/finish")
     async def finish(request: Request, execution_id: str) -> Response:

@@ -156,13 +156,28 @@ class ProxyService:
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
 
+    async def close_execution(self, execution_id: str) -> dict[str, Any]:
+        """Revoke the execution's key (its harness has ended; records of calls already let in are still
+        added) and say how many calls the store holds for it, as `execution_summary` does. Other
+        replicas stop taking the key within `KEY_TTL_S`."""
+        try:
+            info = await self.store_read("close_execution", execution_id)
+        except StoreError as exc:
+            raise ApiError(404, str(exc)) from None
+        self._forget_keys(execution_id)
+        return {"execution_id": execution_id, "records": info["num_records"], "finished": info["finished"]}
+
+    def _forget_keys(self, execution_id: str) -> None:
+        """This replica's cached keys of `execution_id` (revoked), dropped."""
+        for key in [k for k, (e, _) in self._keys.items() if e == execution_id]:
+            del self._keys[key]
+
     async def finish_execution(self, execution_id: str) -> str:
         try:
             path = await self.store_read("finish_execution", execution_id)
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
-        for key in [k for k, (e, _) in self._keys.items() if e == execution_id]:  # revoked: forget them
-            del self._keys[key]
+        self._forget_keys(execution_id)
         pinned = self.router.affinity.get(execution_id)
         self.router.forget(execution_id)
         if pinned is not None and hasattr(self.cells.get(pinned), "forget_session"):

@@ -13,9 +13,11 @@ A store actor Ray starts again after its process died replays them: every execut
 its key (checked by digest), its records, its splice index. A batch the dead store was applying is
 sent again by Ray's task retry; records already on file (same call id) are not added twice.
 
-`finish_execution` closes an execution: its key is revoked (`execution_for_key` answers None, as for
-an unknown key, in a restarted store too) and records sent for it afterwards are refused (counted in
-`rejected_records`). A restarted store does not read a finished execution's file back (the registry
+`close_execution` revokes an execution's key when its harness has ended (`execution_for_key` answers
+None, as for an unknown key, in a restarted store too), so nothing the agent left behind, such as
+code its judge runs, calls the model under it; the records of calls already let in are still added.
+`finish_execution` closes it for good: its key is revoked and records sent for it afterwards are
+refused (counted in `rejected_records`). A restarted store does not read a finished execution's file back (the registry
 says how many records it holds).
 """
 
@@ -51,6 +53,7 @@ class _Execution:
         self.metadata = metadata
         self.records: list[CallRecord] = []  # not yet spilled
         self.spilled = 0
+        self.closed = False  # its key revoked (its harness ended); records still added until finished
         self.finished = False
         self.splice: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # key -> (call_id, output ids)
         self.call_counter = 0
@@ -113,7 +116,7 @@ class TrajectoryStore:
     def _retried_register(ex: _Execution) -> bool:
         """A register of an execution restored from the registry, with no record yet: the call Ray
         sends again after the store died (only the runtime registers executions by id)."""
-        return ex.restored and ex.spilled == 0 and not ex.finished
+        return ex.restored and ex.spilled == 0 and not ex.finished and not ex.closed
 
     def execution_for_key(self, api_key: str) -> str | None:
         """The execution an API key names, or None (also for a finished execution's key: revoked)."""
@@ -143,6 +146,7 @@ class TrajectoryStore:
         return {
             "execution_id": ex.execution_id,
             "metadata": ex.metadata,
+            "closed": ex.closed or ex.finished,
             "finished": ex.finished,
             "num_records": ex.spilled + len(ex.records),
         }
@@ -206,6 +210,19 @@ class TrajectoryStore:
     def records_jsonl(self, execution_id: str) -> str:
         """The execution's records as JSONL text."""
         return "".join(record.to_json() + "\n" for record in self.records(execution_id))
+
+    def close_execution(self, execution_id: str) -> dict[str, Any]:
+        """Revoke the execution's key (its harness has ended): no new call is let in under it, and the
+        records of calls already let in are still added until `finish_execution`. Returns
+        `execution_info`. Closing twice, or after the finish, changes nothing."""
+        with self._lock:
+            ex = self._get(execution_id)
+            if not ex.closed and not ex.finished:
+                if self._registry is not None:
+                    self._registry.closed(execution_id)
+                ex.closed = True
+                self._revoke(ex)
+        return self.execution_info(execution_id)
 
     def finish_execution(self, execution_id: str) -> str:
         """Spill the execution's records to disk and stop keeping them (and its splice index) in memory;
@@ -283,7 +300,7 @@ class TrajectoryStore:
                     store_files.append_splice(self.records_dir, execution_id, keys, self.fsync)
 
     def _revoke(self, ex: _Execution) -> None:
-        """A finished execution's key names it no more (only its digest is kept, to say so)."""
+        """A closed or finished execution's key names it no more (only its digest is kept, to say so)."""
         self._by_key.pop(ex.api_key, None)
         self._by_digest.pop(ex.key_digest, None)
         digest = ex.key_digest or (store_files.key_digest(ex.api_key) if ex.api_key else None)
@@ -311,10 +328,14 @@ class TrajectoryStore:
                 self._restore_digest(ex, event["key_sha256"])
             elif "rekey" in event and event["rekey"] in self._executions:
                 self._restore_digest(self._executions[event["rekey"]], event["key_sha256"])
+            elif "close" in event and event["close"] in self._executions:
+                self._executions[event["close"]].closed = True
             elif "finish" in event and event["finish"] in self._executions:
                 self._executions[event["finish"]].finished = True
                 finished[event["finish"]] = event.get("records")
         for ex in self._executions.values():
+            if ex.closed and not ex.finished:
+                self._revoke(ex)
             if ex.finished:  # nothing of its file is needed but how many records it holds
                 self._revoke(ex)
                 count = finished.get(ex.execution_id)

@@ -84,8 +84,8 @@ def _append_lines(path: Path, lines: list[str], fsync: bool) -> None:
 
 
 class Registry:
-    """Append-only lines: executions registered (key digest, metadata), re-keyed, finished (with their
-    record count)."""
+    """Append-only lines: executions registered (key digest, metadata), re-keyed, closed (key revoked),
+    finished (with their record count)."""
 
     def __init__(self, records_dir: Path, fsync: bool = True) -> None:
         self.path = records_dir / REGISTRY_NAME
@@ -104,6 +104,9 @@ class Registry:
 
     def rekeyed(self, execution_id: str, api_key: str) -> None:
         self._write({"rekey": execution_id, "key_sha256": key_digest(api_key)})
+
+    def closed(self, execution_id: str) -> None:
+        self._write({"close": execution_id})
 
     def finished(self, execution_id: str, records: int) -> None:
         self._write({"finish": execution_id, "records": records})
