@@ -179,10 +179,13 @@ class _Round:
     ended: set[Any] = field(default_factory=set)  # refs whose execution came back (not lost)
     waiting: dict[int, _WaitingStart] = field(default_factory=dict)  # item index -> its start again
 
+    def running(self) -> list[Any]:
+        """The executions under way (not ended, not waiting to start again)."""
+        return [ref for i, ref in enumerate(self.refs) if ref not in self.ended and i not in self.waiting]
+
     def in_flight(self) -> list[Any]:
         """What may still come back: executions under way and the probes of executors being waited for."""
-        running = [ref for i, ref in enumerate(self.refs) if ref not in self.ended and i not in self.waiting]
-        return running + [w.probe for w in self.waiting.values() if w.probe is not None]
+        return self.running() + [w.probe for w in self.waiting.values() if w.probe is not None]
 
 
 class EvalRunner:
@@ -253,7 +256,7 @@ class EvalRunner:
         from ray.exceptions import RayActorError
 
         self._start_waiting(rnd)
-        waiting = [ref for i, ref in enumerate(rnd.refs) if ref not in rnd.ended and i not in rnd.waiting]
+        waiting = rnd.running()
         ready = set(ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]) if waiting else set()
         for index, ref in enumerate(rnd.refs):
             if ref not in ready or index in rnd.waiting:
