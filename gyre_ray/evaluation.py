@@ -282,6 +282,8 @@ class EvalRunner:
         rnd.waiting[index] = _WaitingStart(
             EvalItem(again_id, item.task_id, workspace), key, executor, time.monotonic()
         )
+        print(f"gyre-ray: evaluation execution {item.execution_id} lost its executor; it starts again as "
+              f"{again_id} once evaluation executor {executor} answers", file=sys.stderr, flush=True)  # fmt: skip
         self._start_waiting(rnd)
 
     def _start_waiting(self, rnd: _Round) -> None:

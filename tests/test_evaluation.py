@@ -167,6 +167,9 @@ def test_an_evaluation_waits_for_a_restarting_executor_without_blocking_poll(
     runner.rounds = [rnd]
     assert runner.poll(0) == [] and started == [] and probes == ["p"]  # registered again, not started
     assert rnd.waiting[0].item.workspace.name == "r1.eval-t-0" and rnd.waiting[0].key == "k-eval-0-t-0"
+    assert "eval-0-t-0 lost its executor; it starts again as r1.eval-0-t-0 once evaluation executor 0" in (
+        capsys.readouterr().err
+    )
     answers["probe-1"] = ActorUnavailableError("restarting", None)
     assert runner.poll(0) == [] and started == [] and rnd.waiting[0].probe is None  # asked again later
     rnd.waiting[0].due = 0.0
