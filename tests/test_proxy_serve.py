@@ -256,3 +256,22 @@ def test_admin_errors_from_the_store_actor_reach_the_client_as_one_line(served):
         message = reply.json()["error"]["message"]
         assert "Traceback" not in message and "ray::" not in message and "\n" not in message, (name, message)
     assert "nope" in replies["records"].json()["error"]["message"]
+
+
+def test_a_closed_executions_key_is_refused_through_serve(served):
+    """`close` reaches the store actor through Serve: after it, the execution's key is refused, and an
+    unknown execution's close is a one-line 404 like the other admin errors."""
+    import httpx
+
+    created = served.register_execution()
+    mine = {"Authorization": f"Bearer {created['api_key']}"}
+    admin = {"Authorization": f"Bearer {served.admin_token}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with httpx.Client(base_url=served.base_url, timeout=120) as client:
+        assert client.post("/v1/chat/completions", json=body, headers=mine).status_code == 200
+        closed = client.post(f"/gyre/executions/{created['execution_id']}/close", headers=mine)
+        late = client.post("/v1/chat/completions", json=body, headers=mine)
+        unknown = client.post("/gyre/executions/nope/close", headers=admin)
+    assert closed.status_code == 200 and closed.json()["records"] == 1
+    assert late.status_code == 401 and "has ended (its key is revoked)" in late.json()["error"]["message"]
+    assert unknown.status_code == 404 and "\n" not in unknown.json()["error"]["message"]
