@@ -13,6 +13,7 @@ import pytest
 
 from gyre_ray.cells.factories import ScriptedEngineFactory
 from gyre_ray.model.config import ModelSection
+from gyre_ray.proxy import store_files
 from gyre_ray.proxy.codec import ChatCodec
 from gyre_ray.proxy.local import build_local_proxy
 from gyre_ray.proxy.store import TrajectoryStore
@@ -44,7 +45,11 @@ def test_close_revokes_the_key_and_keeps_the_records_of_calls_let_in(tmp_path, d
     store.finish_execution("exec-a")
     store.add_many([(_record("exec-a", 2), None)])  # finished: refused, as before
     assert store.stats()["rejected_records"] == 1
-    assert store.close_execution("exec-a") == {**store.execution_info("exec-a"), "closed": True}
+    after = store.close_execution("exec-a")  # after the finish: answered, nothing changes
+    assert after["finished"] and after["closed"] and after["num_records"] == 2
+    if durable:  # one close line in the registry, however often it was closed
+        lines = [e for e in store_files.json_lines(tmp_path / store_files.REGISTRY_NAME) if "close" in e]
+        assert lines == [{"close": "exec-a"}]
 
 
 def test_a_restarted_store_keeps_a_closed_executions_key_revoked(tmp_path) -> None:
