@@ -15,6 +15,7 @@ from megatron_cases import (
     gspo_loss,
     hf_folder,
     is_tree,
+    max_relative_error,
     packed_batches,
     require_megatron,
 )
@@ -77,6 +78,36 @@ def test_context_parallel_equals_one_rank(pair: tuple, tmp_path: Path) -> None:
     assert (split.step, split.version) == (1, 1)
     split.load_state_dict(read_hf_weights(folder), version=7)
     assert split.version == 7 and all(torch.equal(split.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_rank_holding_no_loss_tokens_predictor_still_trains_alike(pair: tuple) -> None:
+    """Loss tokens all predicted from rank 0's columns: rank 1 scores nothing, yet its backward must run
+    the decoder's (whose column gathers rank 0 joins) and the gradients equal one rank's. Under tensor
+    parallel its log-probs were not tied to its hidden states then: its backward failed and rank 0's
+    waited on it."""
+    from gyre_ray.trainers.megatron.context_parallel import local_parents, share_of
+
+    one, split, folder = pair
+    weights = read_hf_weights(folder)
+    one.load_state_dict(weights, version=9)
+    split.load_state_dict(weights, version=9)
+    batch = next(b for b in packed_batches(one) if is_tree(b))
+    section = split.section
+    share = share_of(batch, section.context_parallel_size, 1, section.context_parallel_split)
+    held_by_1 = (local_parents(share) >= 0)[:, : share.length]
+    loss = batch.tensors["loss_mask"]
+    kept = loss & ~held_by_1
+    assert 0 < int(kept.sum()) < int(loss.sum())  # some loss tokens left, none predicted on rank 1
+    batch.tensors["loss_mask"] = kept
+    a, b = one.forward_backward(batch), split.forward_backward(batch)
+    assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))
+    grads1, grads2 = one.export_grads(), split.export_grads()
+    assert (
+        max_relative_error(grads1, grads2) < 1e-5
+        and max(float(g.abs().max()) for g in grads1.values()) > 1e-3
+    )
+    one.zero_grads()
+    split.zero_grads()
 
 
 def test_a_dense_mask_cannot_be_split(pair: tuple) -> None:

@@ -68,8 +68,10 @@ class ExecutionOutcome:
 
 def close_key(endpoint: Endpoint, execution_id: str) -> int | None:
     """Revoke the execution's key now that its harness has ended (so nothing it left behind, such as
-    code its judge runs, calls the model under it), with that key; returns the model calls the proxy
-    recorded (None when it can't say: the key is then revoked when the step finishes the execution).
+    code its judge runs, calls the model under it: at once with one proxy replica, the default; other
+    replicas stop taking it within `KEY_TTL_S`, 5 s), with that key; returns the model calls the
+    proxy recorded (None when it can't say: the key is then revoked when the step finishes the
+    execution).
     One small answer: reading the records to count them moved every prompt of an hours-long
     execution (hundreds of MB) through the record store, which every model call waits on."""
     url = f"{endpoint.base_url.rstrip('/')}/gyre/executions/{execution_id}/close"

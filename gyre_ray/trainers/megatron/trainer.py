@@ -181,6 +181,9 @@ class MegatronTrainer(Trainer):
         # the same tokens on every rank of the tensor-parallel group, so they make the same collectives
         rows, cols, predictors, targets = scored_predictors(hidden, input_ids, parent_index, wanted)
         out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
+        if not targets.numel():  # (a context-parallel rank holding no scored token's predictor) tied to
+            # `hidden` all the same: its backward must run the decoder's, whose collectives its peers join
+            return out + hidden.sum() * 0.0
         for start in range(0, targets.numel(), LOGPROB_CHUNK_TOKENS):
             stop = min(targets.numel(), start + LOGPROB_CHUNK_TOKENS)
             chunk = (predictors[start:stop], targets[start:stop], weight)
