@@ -290,7 +290,6 @@ class EvalRunner:
         """Send each waiting start of `rnd` whose executor answers; ask the others again every
         `RUNNER_PROBE_EVERY_S`; ExecutorLostError once one has waited `EXECUTOR_BACK_WITHIN_S`."""
         import ray
-        from ray.exceptions import RayActorError
 
         for index, start in list(rnd.waiting.items()):
             now = time.monotonic()
@@ -299,7 +298,8 @@ class EvalRunner:
             if start.probe is not None and ray.wait([start.probe], timeout=0)[0]:
                 try:
                     ray.get(start.probe, timeout=0)
-                except RayActorError:  # still down (or restarting): ask again later
+                except Exception:  # noqa: BLE001 - still down or restarting (RayActorError), or its
+                    # answer lost: ask again later (EXECUTOR_BACK_WITHIN_S bounds the wait)
                     start.probe, start.due = None, now + RUNNER_PROBE_EVERY_S
                 else:
                     del rnd.waiting[index]
