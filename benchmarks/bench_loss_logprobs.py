@@ -92,10 +92,10 @@ class MegatronPass:
         for batch in batches:
             if loss_only:
                 logprobs = trainer._logprobs(batch, loss_only=True)
-            else:  # every token's logits, gathered, as before 2026-12-07
-                mask = trainer._attention_mask(batch)
-                logits = trainer._logits(batch.input_ids, batch.position_ids, mask)
-                logprobs = token_logprobs(logits, batch.input_ids, batch.parent_index)
+            else:  # every token's logits through Megatron's output layer, as before 2026-12-07
+                hidden = trainer._hidden(batch.input_ids, batch.position_ids, trainer._attention_mask(batch))
+                logits, _ = trainer.model.output_layer(hidden, weight=trainer._output_weight())  # [T, B, V]
+                logprobs = token_logprobs(logits.transpose(0, 1), batch.input_ids, batch.parent_index)
             loss, _ = self.loss_fn(logprobs, batch)
             loss.backward()
         trainer.zero_grads()

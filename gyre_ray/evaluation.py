@@ -259,7 +259,7 @@ class EvalRunner:
         waiting = rnd.running()
         ready = set(ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]) if waiting else set()
         for index, ref in enumerate(rnd.refs):
-            if ref not in ready or index in rnd.waiting:
+            if ref not in ready:  # (a start waiting for its executor is not among them)
                 continue
             try:
                 ray.get(ref, timeout=0)

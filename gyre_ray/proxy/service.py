@@ -143,12 +143,8 @@ class ProxyService:
 
     async def execution_summary(self, execution_id: str) -> dict[str, Any]:
         """How many calls the store holds for the execution (pending ones handed over first), and
-        whether it is finished: what a runner asks when its harness ends, without reading every record."""
-        try:
-            info = await self.store_read("execution_info", execution_id)
-        except StoreError as exc:
-            raise ApiError(404, str(exc)) from None
-        return {"execution_id": execution_id, "records": info["num_records"], "finished": info["finished"]}
+        whether it is finished, without reading every record."""
+        return await self._summary("execution_info", execution_id)
 
     async def records_jsonl(self, execution_id: str) -> str:
         try:
@@ -160,11 +156,17 @@ class ProxyService:
         """Revoke the execution's key (its harness has ended; records of calls already let in are still
         added) and say how many calls the store holds for it, as `execution_summary` does. Other
         replicas stop taking the key within `KEY_TTL_S`."""
+        summary = await self._summary("close_execution", execution_id)
+        self._forget_keys(execution_id)
+        return summary
+
+    async def _summary(self, method: str, execution_id: str) -> dict[str, Any]:
+        """The store's `method` (answering `execution_info`) on `execution_id`, as the admin API says
+        it: {"execution_id", "records", "finished"}; an unknown execution is a 404."""
         try:
-            info = await self.store_read("close_execution", execution_id)
+            info = await self.store_read(method, execution_id)
         except StoreError as exc:
             raise ApiError(404, str(exc)) from None
-        self._forget_keys(execution_id)
         return {"execution_id": execution_id, "records": info["num_records"], "finished": info["finished"]}
 
     def _forget_keys(self, execution_id: str) -> None:

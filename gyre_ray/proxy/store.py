@@ -53,7 +53,7 @@ class _Execution:
         self.metadata = metadata
         self.records: list[CallRecord] = []  # not yet spilled
         self.spilled = 0
-        self.closed = False  # its key revoked (its harness ended); records still added until finished
+        self.closed = False  # its key revoked (its harness ended, or finished); records added until finished
         self.finished = False
         self.splice: OrderedDict[str, tuple[str, list[int]]] = OrderedDict()  # key -> (call_id, output ids)
         self.call_counter = 0
@@ -116,7 +116,7 @@ class TrajectoryStore:
     def _retried_register(ex: _Execution) -> bool:
         """A register of an execution restored from the registry, with no record yet: the call Ray
         sends again after the store died (only the runtime registers executions by id)."""
-        return ex.restored and ex.spilled == 0 and not ex.finished and not ex.closed
+        return ex.restored and ex.spilled == 0 and not ex.closed
 
     def execution_for_key(self, api_key: str) -> str | None:
         """The execution an API key names, or None (also for a finished execution's key: revoked)."""
@@ -146,7 +146,7 @@ class TrajectoryStore:
         return {
             "execution_id": ex.execution_id,
             "metadata": ex.metadata,
-            "closed": ex.closed or ex.finished,
+            "closed": ex.closed,
             "finished": ex.finished,
             "num_records": ex.spilled + len(ex.records),
         }
@@ -217,7 +217,7 @@ class TrajectoryStore:
         `execution_info`. Closing twice, or after the finish, changes nothing."""
         with self._lock:
             ex = self._get(execution_id)
-            if not ex.closed and not ex.finished:
+            if not ex.closed:
                 if self._registry is not None:
                     self._registry.closed(execution_id)
                 ex.closed = True
@@ -233,7 +233,7 @@ class TrajectoryStore:
             self._spill(ex)
             if self._registry is not None and not ex.finished:
                 self._registry.finished(execution_id, ex.spilled)
-            ex.finished = True
+            ex.finished = ex.closed = True
             self._revoke(ex)
             ex.splice.clear()
             ex.call_ids.clear()
@@ -331,13 +331,13 @@ class TrajectoryStore:
             elif "close" in event and event["close"] in self._executions:
                 self._executions[event["close"]].closed = True
             elif "finish" in event and event["finish"] in self._executions:
-                self._executions[event["finish"]].finished = True
+                done = self._executions[event["finish"]]
+                done.finished = done.closed = True
                 finished[event["finish"]] = event.get("records")
         for ex in self._executions.values():
-            if ex.closed and not ex.finished:
+            if ex.closed:
                 self._revoke(ex)
             if ex.finished:  # nothing of its file is needed but how many records it holds
-                self._revoke(ex)
                 count = finished.get(ex.execution_id)
                 ex.spilled = count if isinstance(count, int) else store_files.count_records(self._path(ex))
                 continue

@@ -155,14 +155,6 @@ class MegatronTrainer(Trainer):
         """The LM head's (local shard of the) weight when tied to the embedding; None: its own."""
         return self.model.shared_embedding_or_output_weight() if self.args.tie_word_embeddings else None
 
-    def _logits(self, ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any) -> torch.Tensor:
-        """(B, T, V) logits of columns `ids` (B, T) through embedding, decoder and LM head."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        hidden = self._hidden(ids, position_ids, attention_mask)
-        logits, _ = self.model.output_layer(hidden, weight=self._output_weight())  # [T, B, V / tp]
-        return gather_from_tensor_model_parallel_region(logits).transpose(0, 1)
-
     def _target_logprobs(
         self,
         hidden: torch.Tensor,
