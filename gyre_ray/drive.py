@@ -41,7 +41,9 @@ def drive(
     version = int(ray.get(runtime.core.trainer_version.remote(), timeout=60))
     if every:
         executors, base_url = runtime.agent_executors()  # the runners, if any, as for training
-        evaluator = EvalRunner(cfg, runtime.store, executors, base_url, run_dir, execute)
+        evaluator = EvalRunner(
+            cfg, runtime.store, executors, base_url, run_dir, execute, proxy=runtime.proxy_admin()
+        )
         if logged is None and eval_due(first_step, every, cfg.run.steps):
             evaluator.start(first_step, version)
     call = scheduler.run if logged is None else scheduler.join

@@ -132,7 +132,9 @@ def evaluate(
     try:
         # the runners where set: the agents' nodes, as in training
         executors, base_url = runtime.start_executors()
-        runner = EvalRunner(cfg, runtime.store, executors, base_url, out, execute)
+        runner = EvalRunner(
+            cfg, runtime.store, executors, base_url, out, execute, proxy=runtime.proxy_admin()
+        )
         runner.start(step, step)
         rows = runner.finish(
             step, timeout_s=cfg.agents.timeout_s * cfg.run.eval_samples * len(runner.tasks) + 600

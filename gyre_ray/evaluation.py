@@ -183,6 +183,11 @@ class _Round:
         """The executions under way (not ended, not waiting to start again)."""
         return [ref for i, ref in enumerate(self.refs) if ref not in self.ended and i not in self.waiting]
 
+    def execution_ids(self) -> list[str]:
+        """Every execution id of the round: its items' and those of its starts still waiting."""
+        waiting = [start.item.execution_id for start in self.waiting.values()]
+        return [item.execution_id for item in self.items] + waiting
+
     def in_flight(self) -> list[Any]:
         """What may still come back: executions under way and the probes of executors being waited for."""
         return self.running() + [w.probe for w in self.waiting.values() if w.probe is not None]
@@ -197,6 +202,10 @@ class EvalRunner:
     same seed), the lost one's key revoked, as soon as that executor answers (`poll` never blocks
     on Ray restarting it); `MAX_STARTS` starts of one execution, or an executor not back within
     `EXECUTOR_BACK_WITHIN_S`, abandon the round (a warning, no row; training goes on).
+
+    A round that ends, or is abandoned, has its executions finished in the store (`_retire`): their
+    records go to disk, their keys are revoked, so an abandoned round's harnesses that live on get
+    no more model calls.
     """
 
     def __init__(
@@ -208,6 +217,7 @@ class EvalRunner:
         run_dir: str | Path,
         execute: Any = None,
         tag: str = "",
+        proxy: dict[str, str] | None = None,
     ) -> None:
         from gyre_ray.agents.launch import run_planned_execution
 
@@ -222,6 +232,7 @@ class EvalRunner:
         self.run_dir = Path(run_dir)
         self.execute = execute or run_planned_execution
         self.tag = tag
+        self.proxy = proxy  # {"base_url", "admin_token"}: ended rounds are finished through it (`_retire`)
         self.rounds: list[_Round] = []
         self.done_steps = {row["step"] for row in read_eval(self.run_dir)}
 
@@ -325,8 +336,7 @@ class EvalRunner:
                 except ExecutorLostError as exc:  # an evaluation is an observation: training goes on
                     print(f"gyre-ray: warning: the evaluation round after step {rnd.step} is abandoned: {exc}",
                           file=sys.stderr, flush=True)  # fmt: skip
-                    self.rounds.remove(rnd)
-                    self.done_steps.add(rnd.step)
+                    self._retire(rnd)
                     continue
                 if len(rnd.ended) < len(rnd.refs):
                     continue
@@ -335,8 +345,7 @@ class EvalRunner:
                 self.run_dir.mkdir(parents=True, exist_ok=True)  # (the workspaces may be elsewhere)
                 with open(self.run_dir / EVAL_FILE, "a") as handle:
                     handle.write(json.dumps(row) + "\n")
-                self.rounds.remove(rnd)
-                self.done_steps.add(rnd.step)
+                self._retire(rnd)
                 rows.append(row)
             waiting = [ref for rnd in self.rounds for ref in rnd.in_flight()]
             left = deadline - time.monotonic()
@@ -348,6 +357,29 @@ class EvalRunner:
                 ray.wait(waiting, num_returns=1, timeout=left)  # wakes at the next end (or loss)
             else:
                 time.sleep(left)
+
+    def _retire(self, rnd: _Round) -> None:
+        """`rnd` is over (its row written, or abandoned): finish its executions, as a step finishes its
+        own (through the proxy where given: the replica also forgets their caches and the cells their
+        sessions; else in the store): records on file, keys revoked. Finishing one twice changes
+        nothing. A failure is a warning: an evaluation is an observation, training goes on."""
+        import ray
+
+        from gyre_ray.runtime.groups import finish_through_proxy
+
+        ids = rnd.execution_ids()
+        try:
+            if not ids:
+                pass
+            elif self.proxy is not None:
+                finish_through_proxy(self.proxy, ids)
+            else:
+                ray.get([self.store.finish_execution.remote(eid) for eid in ids], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - reported, the round's row (if any) is already written
+            print(f"gyre-ray: warning: the executions of the evaluation round after step {rnd.step} were "
+                  f"not finished (their keys may stay valid): {exc}", file=sys.stderr, flush=True)  # fmt: skip
+        self.rounds.remove(rnd)
+        self.done_steps.add(rnd.step)
 
     def finish(self, version: int, timeout_s: float = 3600.0) -> list[dict[str, Any]]:
         """Wait for every round under way; returns their rows."""

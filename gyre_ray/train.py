@@ -161,10 +161,11 @@ def train(
         start, restarts = live.start, live.restarts
     else:
         check_model_path(cfg)  # a missing or torn model folder fails here, not in every cell
+        # an impossible split or step fails here, before the warm-up and not in the scheduler actor
+        check_tasks_per_step(cfg)
         # the warm-up (a no-op when it is off), cached in the runs folder: a resumed run's own parent
         root = resumed.parent if resumed is not None else runs_root(cfg.run.run_dir)
         cfg = prepare_policy(cfg, root)
-        check_tasks_per_step(cfg)  # an impossible split or step fails here, not in the scheduler actor
     if resumed is not None:
         run_dir = resumed
         check_checkpoint_model(cfg, checkpoint)

@@ -1,6 +1,7 @@
 """Bad input to the `gyre-ray` commands ends in one line naming the bad thing, exit code 2, and before
 any slow work: an unknown flag gets the sub-command's own usage, a binary config, a torn weights file
-or a checkpoint folder given for a model folder, an output path that cannot be written; and
+or a checkpoint folder given for a model folder, an output path that cannot be written, a step
+needing more tasks than the set has (before the warm-up); and
 `generate` says when it samples from untrained weights, or takes a run's newest checkpoint."""
 
 from __future__ import annotations
@@ -128,3 +129,21 @@ def test_a_reader_that_stops_early_gets_no_traceback(monkeypatch: pytest.MonkeyP
         assert main(["config", "--describe"]) == 141
     finally:
         closed.close()
+
+
+def test_a_step_needing_more_tasks_than_the_set_has_is_refused_before_the_warm_up(
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It used to be found after the warm-up's minute of supervised steps."""
+
+    def warm_up(*_: object) -> None:
+        raise AssertionError("the warm-up ran before the config was checked")
+
+    monkeypatch.setattr("gyre_ray.warmup.sft.prepare_policy", warm_up)
+    code, out, err = run(
+        capsys, "train", "--config", "jobs/configs/learn.yaml", "run.tasks_per_step=4", "run.eval_every=1",
+        f"run.run_dir={tmp_path}",
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert err.strip().startswith("gyre-ray train: run.tasks_per_step=4 but agents.task_set 'words' has 3 ")
+    assert "after run.eval_holdout=1 held out" in err and list(tmp_path.iterdir()) == []

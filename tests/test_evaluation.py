@@ -111,6 +111,7 @@ def test_an_evaluation_whose_executors_keep_dying_is_abandoned_not_the_run(tmp_p
 
     runner = EvalRunner.__new__(EvalRunner)
     runner.rounds, runner.done_steps, runner.run_dir = [_Round(4, 4, [], [], [])], set(), tmp_path
+    runner.proxy = None
 
     def lost(rnd) -> None:
         raise ExecutorLostError("execution r4.eval-4-t-0 lost its executor (runner-1) 5 times")
@@ -128,7 +129,8 @@ def test_an_evaluation_waits_for_a_restarting_executor_without_blocking_poll(
     """An evaluation execution whose executor died is registered again at once and starts when that
     executor answers a probe (asked every `RUNNER_PROBE_EVERY_S`); `poll` returns meanwhile instead of
     blocking the driver on Ray's restart. One whose executor is not back within
-    `EXECUTOR_BACK_WITHIN_S` abandons its round."""
+    `EXECUTOR_BACK_WITHIN_S` abandons its round, and the round's executions are finished in the
+    store (keys revoked), the lost one's and the one waiting to start again."""
     from types import SimpleNamespace
 
     import ray
@@ -141,6 +143,8 @@ def test_an_evaluation_waits_for_a_restarting_executor_without_blocking_poll(
     answers: dict[str, object] = {"dead": ActorUnavailableError("restarting", None)}
 
     def get(ref, **_):
+        if isinstance(ref, list):  # the store's answers to `finish_execution`
+            return [None for _ in ref]
         if isinstance(answers[ref], Exception):
             raise answers[ref]
         return answers[ref]
@@ -152,8 +156,11 @@ def test_an_evaluation_waits_for_a_restarting_executor_without_blocking_poll(
     executor = SimpleNamespace(
         node_ip=SimpleNamespace(remote=lambda: probes.append("p") or f"probe-{len(probes)}")
     )
+    finished: list[str] = []
+    store = SimpleNamespace(finish_execution=SimpleNamespace(remote=finished.append))
     runner = EvalRunner.__new__(EvalRunner)
-    runner.executors, runner.store, runner.done_steps, runner.run_dir = [executor], None, set(), tmp_path
+    runner.executors, runner.store, runner.done_steps, runner.run_dir = [executor], store, set(), tmp_path
+    runner.proxy = None
     started: list[tuple[str, str]] = []
     runner._execute = lambda item, key, _e: (
         started.append((item.execution_id, key)) or "ref-" + item.execution_id
@@ -182,5 +189,7 @@ def test_an_evaluation_waits_for_a_restarting_executor_without_blocking_poll(
     runner.rounds = [late]
     runner.poll(0)  # its probe (probe-3) never answers
     late.waiting[0].since -= EXECUTOR_BACK_WITHIN_S + 1
+    assert finished == []
     assert runner.poll(0) == [] and runner.rounds == [] and 1 in runner.done_steps and len(started) == 1
     assert "evaluation executor 0 did not come back within 300 s" in capsys.readouterr().err
+    assert finished == ["eval-1-t-0", "r1.eval-1-t-0"]  # the lost one (again) and the one never started

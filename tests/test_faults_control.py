@@ -129,13 +129,17 @@ def test_workers_actor_dies_mid_step(runtime) -> None:
 
 def test_an_evaluation_round_survives_its_executor(runtime) -> None:
     """An evaluation round's executions whose `workers` dies under them start again (`r1.<id>`,
-    a fresh workspace with the same seed) and the round's row scores every one."""
+    a fresh workspace with the same seed) and the round's row scores every one. Once the row is
+    written, every execution of the round, lost or not, is finished (through the proxy: records on
+    file, key revoked)."""
     from gyre_ray.evaluation import EvalRunner
 
     rt = runtime
     cfg = rt.config.model_copy(update={"run": rt.config.run.model_copy(update={"eval_every": 1})})
     slow = CountingExecutor(calls=6, max_tokens=16, tool_s=0.5)  # >= 3 s: still running at the kill
-    evaluator = EvalRunner(cfg, rt.store, [rt.workers], rt.proxy.base_url, rt.folder / "eval", slow)
+    evaluator = EvalRunner(
+        cfg, rt.store, [rt.workers], rt.proxy.base_url, rt.folder / "eval", slow, proxy=rt.proxy_admin()
+    )
     assert evaluator.start(0, 0)
     ids = [item.execution_id for item in evaluator.rounds[0].items]
     names = [item.workspace.name for item in evaluator.rounds[0].items]
@@ -152,6 +156,9 @@ def test_an_evaluation_round_survives_its_executor(runtime) -> None:
     assert row["executions"] == row["valid"] == len(ids) == len(evaluator.tasks) * cfg.run.eval_samples, row
     started_again = sorted(p.name for p in (rt.folder / "eval" / "workspaces" / "eval-0").glob("r1.*"))
     assert started_again == sorted("r1." + name for name in names)  # every one: all were mid-way
+    every = ids + ["r1." + i for i in ids]
+    infos = ray.get([rt.store.execution_info.remote(i) for i in every], timeout=30)
+    assert all(info["finished"] for info in infos), infos
 
 
 def test_a_group_whose_processing_dies_with_workers_is_processed_again(runtime) -> None:

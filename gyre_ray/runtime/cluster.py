@@ -329,15 +329,15 @@ class Runtime:
             cell_names,
             self.core_id,
             self.namespace,
-            {
-                "base_url": self.proxy.base_url,
-                "admin_token": self.proxy.admin_token,
-                "runner_url": runner_url,
-            },
+            {**self.proxy_admin(), "runner_url": runner_url},
             options_blob=pack_scheduler_options(
                 {"workers": self.workers, "runners": self.runners, "pool": self.pool, **options}
             ),
         )
+
+    def proxy_admin(self) -> dict[str, str]:
+        """The proxy's address and admin token (`{"base_url", "admin_token"}`), for its admin API."""
+        return {"base_url": self.proxy.base_url, "admin_token": self.proxy.admin_token}
 
     def agent_executors(self, timeout_s: float = 120.0) -> tuple[list[Any], str]:
         """Where executions run, and the proxy URL their harnesses call there: the runner actors
