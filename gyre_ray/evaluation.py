@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.agents.outcomes import outcome_metrics
+from gyre_ray.agents.relaunch import relaunch_id
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.envs.base import Task, get_task_set
 from gyre_ray.proxy.store_files import json_lines
@@ -35,7 +36,6 @@ from gyre_ray.runtime.runners import (
     RUNNER_PROBE_EVERY_S,
     ExecutorLostError,
     register_again,
-    relaunch_id,
 )
 
 EVAL_FILE = "eval.jsonl"

@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.agents.relaunch import planned_id
 from gyre_ray.checkpoint import STATE_FILE, complete_checkpoints
 from gyre_ray.evaluation import EVAL_FILE
 from gyre_ray.observability.metrics import WANDB_PENDING_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recorder import trace_row
-from gyre_ray.runtime.runners import executor_name, planned_id
+from gyre_ray.runtime.runners import executor_name
 
 _TRAIN_ID = re.compile(r"^s(\d+)-")  # execution ids s<step>-<task>-<i> (records, workspaces)
 _EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<step>/ workspace folders

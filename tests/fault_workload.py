@@ -58,8 +58,8 @@ class CountingExecutor:
     ) -> Any:
         import httpx
 
+        from gyre_ray.agents.relaunch import planned_id
         from gyre_ray.agents.runner import ExecutionOutcome
-        from gyre_ray.runtime.runners import planned_id
 
         Path(workspace).mkdir(parents=True, exist_ok=True)
         started = time.monotonic()

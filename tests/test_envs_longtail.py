@@ -135,6 +135,9 @@ def test_the_run_seed_gives_other_draws_and_seed_0_keeps_the_default(tmp_path: P
     name = "s0-lt01-digits-3"
     assert toy_agent.execution_seed(name) == toy_agent.execution_seed(name, 0)  # 0: name only, as before
     assert toy_agent.execution_seed(name, 7) != toy_agent.execution_seed(name)
+    # a start again after the executor died (`r1.<name>`, `r2.<name>`) draws the planned one's seeds
+    assert toy_agent.execution_seed("r1." + name, 7) == toy_agent.execution_seed("r2." + name, 7)
+    assert toy_agent.execution_seed("r1." + name, 7) == toy_agent.execution_seed(name, 7)
     # reproducible: another process (another hash seed, as a resumed run or a rerun is) draws the same
     code = f"from gyre_ray.agents.toy_agent import execution_seed as s; print(s({name!r}), s({name!r}, 7))"
     other = subprocess.run(

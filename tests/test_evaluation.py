@@ -137,8 +137,9 @@ def test_an_evaluation_waits_for_a_restarting_executor_without_blocking_poll(
     from ray.exceptions import ActorUnavailableError
 
     from gyre_ray import evaluation
+    from gyre_ray.agents.relaunch import relaunch_id
     from gyre_ray.evaluation import EvalItem, EvalRunner, _Round
-    from gyre_ray.runtime.runners import EXECUTOR_BACK_WITHIN_S, relaunch_id
+    from gyre_ray.runtime.runners import EXECUTOR_BACK_WITHIN_S
 
     answers: dict[str, object] = {"dead": ActorUnavailableError("restarting", None)}
 

@@ -55,3 +55,60 @@ def test_a_bad_batch_raises_in_the_caller_and_ranks_keep_serving(pair: tuple) ->
         tp2.compute_logprobs(batch)
     assert tp2.metadata()["tensor_parallel_size"] == 2
     assert tp2.export_grads().keys() == tp1.export_grads().keys()
+
+
+def test_a_rank_that_does_not_answer_ends_the_trainer_instead_of_skewing_later_replies() -> None:
+    """After one rank's timeout the others' replies stay queued (or those ranks wait in a
+    collective): the next call would read a stale reply. The trainer is closed instead, and says so."""
+    import weakref
+    from types import SimpleNamespace
+
+    from gyre_ray.trainers.megatron.tensor_parallel import RankError
+
+    closed: list[bool] = []
+    sent: list[tuple] = []
+    answering = SimpleNamespace(poll=lambda _t: True, recv=lambda: ("ok", 1), send=sent.append)
+    silent = SimpleNamespace(poll=lambda _t: False, recv=lambda: ("ok", 1), send=sent.append)
+    trainer = TensorParallelTrainer.__new__(TensorParallelTrainer)
+    trainer._conns, trainer.timeout_s = [answering, silent], 0.01
+    trainer._finalizer = weakref.finalize(trainer, closed.append, True)
+    with pytest.raises(
+        RankError, match="rank 1: no answer to step within 0 s; the trainer's rank processes are ended"
+    ):
+        trainer._call("step")
+    assert closed == [True] and len(sent) == 2
+    with pytest.raises(RankError, match="this tensor-parallel trainer is closed"):
+        trainer._call("step")
+    assert len(sent) == 2  # nothing sent to ranks that are gone
+
+
+def test_a_rank_actor_that_does_not_answer_ends_the_ray_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank actors' version of the above: a timeout (or a failure other than bad input) kills
+    the rank actors, the others of which may wait in a collective for the silent one."""
+    import weakref
+
+    import ray
+
+    from gyre_ray.trainers.megatron.ray_ranks import RayTensorParallelTrainer
+    from gyre_ray.trainers.megatron.tensor_parallel import RankError
+
+    def get(ref: str, timeout: float) -> int:
+        if ref == "silent":
+            raise ray.exceptions.GetTimeoutError("no answer")
+        if ref == "bad input":
+            raise ValueError("token id 99 is outside the vocabulary")
+        return 1
+
+    monkeypatch.setattr(ray, "get", get)
+    closed: list[bool] = []
+    trainer = RayTensorParallelTrainer.__new__(RayTensorParallelTrainer)
+    trainer.timeout_s = 0.01
+    trainer._finalizer = weakref.finalize(trainer, closed.append, True)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        trainer._gather(["ok", "bad input"], "forward_backward")
+    assert closed == []  # bad input: the ranks keep serving
+    with pytest.raises(
+        RankError, match="actor 1: no answer to step within 0 s; the trainer's rank actors are ended"
+    ):
+        trainer._gather(["ok", "silent"], "step")
+    assert closed == [True]

@@ -109,3 +109,37 @@ def test_bad_requests_are_400s_in_the_openai_shape(scripted: ServedProxy) -> Non
         client.responses.create(model="policy", input=[], instructions="only a system prompt")
     denied = httpx.post(scripted.base_url + "/v1/responses", json={"model": "p", "input": "x"})
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_mid_stream_error_event_takes_the_streams_next_sequence_number() -> None:
+    """A call that fails after some events ends its stream with an `error` event numbered after
+    them (it used to say 0, out of order with the events before it)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gyre_ray.proxy.errors import ApiError
+    from gyre_ray.proxy.front import sse
+    from gyre_ray.proxy.responses_api import _Events
+
+    events = _Events()
+
+    async def stream():
+        yield events("response.created")
+        yield events("response.in_progress")
+        raise ApiError(503, "cell-1 stopped serving the call without finishing it")
+
+    async def abandon(*_):
+        return None
+
+    gen = SimpleNamespace(abandon=abandon, outcome=None)
+    slot = SimpleNamespace(bind=lambda _: None, release=lambda: None)
+
+    async def read() -> list[dict]:
+        response = sse(stream(), gen, slot, events.error)
+        chunks = [chunk async for chunk in response.body_iterator]
+        return [json.loads(c.split("data: ", 1)[1]) for c in chunks]
+
+    sent = asyncio.run(read())
+    assert [e["sequence_number"] for e in sent] == [0, 1, 2]
+    assert sent[2]["type"] == "error" and sent[2]["code"] == "server_error"
+    assert sent[2]["message"] == "cell-1 stopped serving the call without finishing it"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gyre_ray.agents.relaunch import planned_id, relaunch_id, starts_of
 from gyre_ray.config import ConfigError, load_config
 from gyre_ray.runtime.journal import RunJournal
 from gyre_ray.runtime.runners import (
@@ -17,11 +18,8 @@ from gyre_ray.runtime.runners import (
     RunnerRecovery,
     executor_name,
     least_loaded,
-    planned_id,
-    relaunch_id,
     runner_base_url,
     runner_name,
-    starts_of,
 )
 
 

@@ -268,6 +268,28 @@ def test_collective_groups_follow_membership_and_a_missed_broadcast_falls_back_t
         ray.kill(actor)
 
 
+def test_gradients_from_a_satellite_that_cannot_join_come_through_the_object_store_at_once() -> None:
+    """A satellite whose process holds a torch.distributed group of its own (an in-process Megatron
+    trainer) answers `collective_ready` with false: the core fetches its gradients through the
+    object store at once. It used to start the point-to-point transfer anyway and wait out the
+    rendezvous (`transfer.timeout_s`) before falling back."""
+    names = ["g-0", "g-1"]
+    core, satellite = _collective_peers(names, timeout_s=30.0)
+    assert ray.get(satellite.__ray_call__.remote(_own_dist_group))
+    grads = {"a": torch.randn(8, 8), "b": torch.randn(5)}
+    ticket = ray.get(satellite.stage.remote(grads, "grads", 0, dst_rank=0))
+    started = time.monotonic()
+    fetched = ray.get(core.fetch.remote(ticket), timeout=120)
+    took = time.monotonic() - started
+    assert _same(fetched, grads)
+    stats = ray.get(core.stats.remote())
+    assert stats["fallback"] == 1 and stats["collective"] == 0
+    assert stats["last_fallback"]["reason"].startswith("g-1 cannot join"), stats["last_fallback"]
+    assert took < 15.0, took  # not the 30 s rendezvous timeout
+    for actor in (core, satellite):
+        ray.kill(actor)
+
+
 @pytest.mark.parametrize("backend", ["object_store", pytest.param("mooncake", marks=needs_mooncake)])
 def test_kv_state_moves_between_cells(backend: str) -> None:
     _, a, b = _peers(backend)

@@ -63,7 +63,7 @@ class Limits:
     max_processes: int = 256
     max_memory_mb: int = 4096
     max_file_mb: int = 1024
-    max_disk_mb: int = 2048
+    max_disk_mb: int = 4096  # as `agents.max_disk_mb`
 
 
 @dataclass

@@ -153,9 +153,13 @@ def _tool_sleeps(workspace: Path, run_seed: int = 0) -> list[float]:
 
 def execution_seed(workspace_name: str, run_seed: int = 0) -> int:
     """The toy harness's base request seed: from the execution's name (its workspace folder), not the
-    path, so the same execution of another run folder (a resumed run, a rerun) samples the same way;
-    a non-zero `run.seed` gives other draws (seed 0 keeps the name-only ones)."""
-    key = workspace_name if not run_seed else f"{run_seed}/{workspace_name}"
+    path, so the same execution of another run folder (a resumed run, a rerun) samples the same way,
+    and so does a start again after its executor died (`r1.<name>`: the planned name's seed); a
+    non-zero `run.seed` gives other draws (seed 0 keeps the name-only ones)."""
+    from gyre_ray.agents.relaunch import planned_id
+
+    name = planned_id(workspace_name)
+    key = name if not run_seed else f"{run_seed}/{name}"
     return zlib.crc32(key.encode()) % 100_000
 
 

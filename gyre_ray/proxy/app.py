@@ -161,7 +161,7 @@ def build_app(service: Any) -> FastAPI:
         detail = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             detail = f"no route for {request.method} {request.url.path}"
-        return _error_response(request, exc.status_code, detail)
+        return _error_response(request, exc.status_code, detail, None, retry_after_s)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

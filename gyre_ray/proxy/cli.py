@@ -2,7 +2,7 @@
 
     gyre-ray serve [--config FILE] [--scripted] [cells.num_cells=2 ...]
 
-The JSON line holds `base_url`, `openai_base_url`, `admin_token`, `cells` and `records_dir`. Ctrl-C or
+The JSON line holds `base_url`, `openai_base_url`, `serve_url`, `admin_token`, `cells` and `records_dir`. Ctrl-C or
 SIGTERM shuts everything down cleanly. `--scripted` serves the model-free ScriptedEngine (fast start,
 for harness development); otherwise the configured policy and engine backend.
 """

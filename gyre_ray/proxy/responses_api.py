@@ -126,7 +126,8 @@ async def responses(
     gen = await begin(service, call, slot, sampling, prompt.parse_tools, [], "call_", req.stream)
     shell = _Shell("resp_" + call.call_id.replace("-", ""), req)
     if req.stream:
-        return sse(_stream(gen, shell), gen, slot, _error_event)
+        events = _Events()
+        return sse(_stream(gen, shell, events), gen, slot, events.error)
     outcome = await complete(gen, slot)
     output: list[dict[str, Any]] = []
     status = _status(outcome)
@@ -137,7 +138,7 @@ async def responses(
 
 
 class _Events:
-    """Numbered SSE events."""
+    """Numbered SSE events of one stream (an error event takes the next number too)."""
 
     def __init__(self) -> None:
         self.sequence = 0
@@ -147,15 +148,13 @@ class _Events:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+    def error(self, exc: ApiError) -> str:
+        """The stream's `error` event for `exc`."""
+        code = "server_error" if exc.status >= 500 else "invalid_request_error"
+        return self("error", code=code, message=exc.message, param=exc.param)
 
-def _error_event(exc: ApiError) -> str:
-    data = {"type": "error", "code": "server_error" if exc.status >= 500 else "invalid_request_error"}
-    data.update(message=exc.message, param=exc.param, sequence_number=0)
-    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-
-async def _stream(gen: Generation, shell: _Shell) -> AsyncIterator[str]:
-    event = _Events()
+async def _stream(gen: Generation, shell: _Shell, event: _Events) -> AsyncIterator[str]:
     yield event("response.created", response=shell.state("in_progress", []))
     yield event("response.in_progress", response=shell.state("in_progress", []))
     output: list[dict[str, Any]] = []

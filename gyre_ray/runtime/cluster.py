@@ -80,7 +80,7 @@ def connect_ray(config: GyreConfig) -> bool:
 
 def warn_if_sandboxes_reach_ray(config: GyreConfig) -> None:
     """Executions run as sandbox uids on this host, but with Ray's token auth off nothing stops their
-    code from talking to the cluster's ports here (docs/harnesses.md, "Isolation"): say so."""
+    code from talking to the cluster's ports here (docs/harnesses.md, "The sandbox"): say so."""
     from gyre_ray.agents.sandbox import own_uids, protect_ray_credentials
 
     if not own_uids(config.agents.isolation):
@@ -90,7 +90,7 @@ def warn_if_sandboxes_reach_ray(config: GyreConfig) -> None:
         print(
             "gyre-ray: warning: RAY_AUTH_MODE=disabled: sandboxed executions can reach this Ray cluster's "
             "ports on this host and control it; keep Ray's token auth on, or block the sandbox group's "
-            "loopback traffic except to the proxy (docs/harnesses.md, Isolation)",
+            'loopback traffic except to the proxy (docs/harnesses.md, "The sandbox")',
             file=sys.stderr,
         )
 

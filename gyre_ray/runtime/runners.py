@@ -26,7 +26,6 @@ bound to loopback, which such a runner cannot reach.
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -34,11 +33,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from gyre_ray.agents.config import AgentSection
+from gyre_ray.agents.relaunch import relaunch_id, starts_of
 from gyre_ray.config import ConfigError
 
 WORKERS_NAME = "workers"  # the run's own executor beside the scheduler (`gyre_ray.runtime.workers`)
 RUNNER_PREFIX = "runner-"
-_STARTED_AGAIN = re.compile(r"r(\d+)\.(.*)")  # `r<n>.<planned id>`: the n-th start after the first
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _EVERY_INTERFACE = ("0.0.0.0", "::")
 
@@ -87,31 +86,12 @@ def least_loaded(running: Iterable[int], count: int, avoid: Iterable[int] = ()) 
     return min(choices, key=lambda index: (load[index], index))
 
 
-def relaunch_id(execution_id: str) -> str:
-    """The id an execution started again gets: `r1.<id>`, then `r2.<id>`, ... A tag before a `.`, as
-    run tags are, so what is read from an id's end (its index; the longtail set's durations) stays."""
-    match = _STARTED_AGAIN.fullmatch(execution_id)
-    return f"r{int(match.group(1)) + 1}.{match.group(2)}" if match else f"r1.{execution_id}"
-
-
-def planned_id(execution_id: str) -> str:
-    """The id a planned execution had before it was started again (`r2.<id>`: `<id>`)."""
-    match = _STARTED_AGAIN.fullmatch(execution_id)
-    return match.group(2) if match else execution_id
-
-
 MAX_STARTS = 5  # starts of one planned execution (its first and each after its executor died)
 
 
 def executor_name(runner: int | None) -> str:
     """The named actor an execution runs in: `runner-<i>`, or `workers` (runner None)."""
     return WORKERS_NAME if runner is None else runner_name(runner)
-
-
-def starts_of(execution_id: str) -> int:
-    """How many times a planned execution has been started, read from its id (`r2.<id>`: 3)."""
-    match = _STARTED_AGAIN.fullmatch(execution_id)
-    return 1 + int(match.group(1)) if match else 1
 
 
 class ExecutorLostError(RuntimeError):

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 _PROCESS_LOCK = threading.Lock()  # one torch.distributed default group per process: one transfer at a time
 _OURS = threading.Event()  # set while this process' default group is one a transfer made
 READY_S = 5.0  # how long a peer may take to say it is there before a broadcast goes on without it
+CANNOT_JOIN = "cannot join (not connected, or its process has a torch.distributed group)"
 
 
 @register_transport
@@ -61,6 +62,8 @@ class CollectiveTransport(Transport):
         self._staged: dict[int, tuple[torch.Tensor, Ticket]] = {}
         self._received: dict[str, tuple[int, torch.Tensor]] = {}  # sender -> its last broadcast (seq, bytes)
         self._seq = itertools.count(1)
+        # the fallback's own transport, kept: its receive pool's buffers are reused fetch after fetch
+        self._object_store = ObjectStoreTransport(self.section, self.owner)
         self.stats: dict[str, Any] = {
             "collective": 0,
             "fallback": 0,
@@ -139,7 +142,7 @@ class CollectiveTransport(Transport):
         if seq not in self._staged:
             raise TransferError(f"{self.owner}: staged payload #{seq} was released")
         buffer, ticket = self._staged[seq]
-        return ObjectStoreTransport(self.section, self.owner).restage(buffer, ticket)
+        return self._object_store.restage(buffer, ticket)
 
     def release(self, ticket: Ticket) -> None:
         self._staged.pop(ticket.address.get("seq"), None)
@@ -157,13 +160,16 @@ class CollectiveTransport(Transport):
         op = {"mode": "send", "world": 2, "sender": ticket.sender, "seq": address["seq"], "nbytes": ticket.nbytes,
               "what": ticket.describe()}  # fmt: skip
         try:
-            ray.get(handle.collective_ready.remote(), timeout=min(READY_S, self.section.timeout_s))
-            refs, failed = self._run_with(op, buffer, 0, {ticket.sender: (handle, 1)})
-            if failed is not None:
-                raise failed
-            ray.get(refs[ticket.sender], timeout=self.section.timeout_s)
+            ready = ray.get(handle.collective_ready.remote(), timeout=min(READY_S, self.section.timeout_s))
+            if ready:
+                refs, failed = self._run_with(op, buffer, 0, {ticket.sender: (handle, 1)})
+                if failed is not None:
+                    raise failed
+                ray.get(refs[ticket.sender], timeout=self.section.timeout_s)
         except Exception as exc:
             return self._fallback(ticket, _reason(exc), handle)
+        if not ready:  # (a sender that cannot join would leave this end waiting out the rendezvous)
+            return self._fallback(ticket, f"{ticket.sender} {CANNOT_JOIN}", handle)
         return self._read(ticket, buffer)
 
     def join_op(self, op: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +223,7 @@ class CollectiveTransport(Transport):
             raise self.error(
                 ticket, f"{reason}; the object-store fallback failed too: {_reason(exc)}"
             ) from None
-        return ObjectStoreTransport(self.section, self.owner).fetch(again)
+        return self._object_store.fetch(again)
 
     def _ready_peers(self) -> tuple[list[tuple[str, Any]], dict[str, str]]:
         """The peers that answer `collective_ready` within READY_S, and why the others are left out."""
@@ -237,7 +243,7 @@ class CollectiveTransport(Transport):
                 if ray.get(ref, timeout=0):
                     members.append((name, handle))
                 else:
-                    missed[name] = "cannot join (not connected, or its process has a torch.distributed group)"
+                    missed[name] = CANNOT_JOIN
             except ray.exceptions.GetTimeoutError:
                 missed[name] = f"no answer within {READY_S:g} s"
             except Exception as exc:

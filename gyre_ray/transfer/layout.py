@@ -1,9 +1,9 @@
 """Payloads as flat bytes: split any structure of tensors into a skeleton plus one contiguous buffer.
 
-`flatten(payload)` walks dicts, lists, tuples and dataclasses, replaces each tensor by a placeholder
-and lays the tensors' bytes end to end (each 64-byte aligned) in one uint8 buffer; `unflatten`
-rebuilds the structure from the skeleton and a buffer holding those bytes (for example one that
-another process filled). Per-tensor CRC-32 checksums prove a transfer bit-exact.
+`plan(payload)` walks dicts, lists, tuples and dataclasses, replaces each tensor by a placeholder and
+says where each tensor's bytes go end to end (each 64-byte aligned) in one uint8 buffer;
+`write_into` lays them there; `read_from` rebuilds the structure from the layout and a buffer
+holding those bytes (for example one that another process filled). Per-tensor CRC-32 checksums prove a transfer bit-exact.
 """
 
 from __future__ import annotations

@@ -30,5 +30,7 @@ class WarmupSection(Section):
         "machine from thrashing; 0: torch's default).",
     )
     executions: int = Field(
-        32, ge=1, description="Synthetic toy-harness executions rendered into transcripts (per task, cycled)."
+        32,
+        ge=1,
+        description="Synthetic toy-harness executions rendered into transcripts (in all, cycling over the tasks).",
     )

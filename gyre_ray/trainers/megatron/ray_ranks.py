@@ -135,11 +135,16 @@ class RayTensorParallelTrainer(RankDrivenTrainer):
             except ValueError:
                 raise
             except ray.exceptions.GetTimeoutError:
+                self.close()  # the other ranks may wait in a collective for it: none would serve again
                 raise RankError(
-                    f"Megatron rank actor {rank}: no answer to {what} within {self.timeout_s:.0f} s"
+                    f"Megatron rank actor {rank}: no answer to {what} within {self.timeout_s:.0f} s; "
+                    "the trainer's rank actors are ended"
                 ) from None
             except Exception as exc:
-                raise RankError(f"Megatron rank actor {rank} failed in {what}: {exc}") from None
+                self.close()
+                raise RankError(
+                    f"Megatron rank actor {rank} failed in {what}: {exc}; the trainer's rank actors are ended"
+                ) from None
         return results
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -147,7 +152,8 @@ class RayTensorParallelTrainer(RankDrivenTrainer):
 
         if not self._finalizer.alive:
             raise RankError("this tensor-parallel trainer is closed")
-        shared = [ray.put(a) if isinstance(a, dict) else a for a in args]  # one copy for all ranks
+        # weights, gradients and micro-batches: one object-store copy for all ranks
+        shared = [a if isinstance(a, (int, float, str, bool, type(None))) else ray.put(a) for a in args]
         return self._gather([actor.call.remote(method, *shared) for actor in self._actors], method)[0]
 
 

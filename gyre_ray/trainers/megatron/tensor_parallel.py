@@ -221,7 +221,12 @@ class TensorParallelTrainer(RankDrivenTrainer):
         replies = []
         for rank, conn in enumerate(self._conns):
             if not conn.poll(self.timeout_s):
-                raise RankError(f"Megatron rank {rank}: no answer to {what} within {self.timeout_s:.0f} s")
+                # the other ranks' replies (or their wait in a collective) would answer the next call
+                self.close()
+                raise RankError(
+                    f"Megatron rank {rank}: no answer to {what} within {self.timeout_s:.0f} s; "
+                    "the trainer's rank processes are ended"
+                )
             replies.append(conn.recv())
         for rank, (kind, payload) in enumerate(replies):
             if kind == "input":

@@ -23,9 +23,10 @@ Log-probs follow `gyre_ray.trainers.batch.token_logprobs`'s contract, so the los
 scored token (`_target_logprobs`): in `forward_backward` those are the loss tokens alone (the model's
 own outputs; an agent's trajectory is mostly prompt and tool output), in chunks of
 `LOGPROB_CHUNK_TOKENS`. With tensor parallel 1 that is `batch.target_logprobs`; above it the logits
-stay vocab-sharded and Megatron's `vocab_parallel_cross_entropy` reads each target's log-prob (two
+stay vocab-sharded and Megatron's `vocab_parallel_cross_entropy` reads each target's log-prob (three
 all-reduces of one number per token instead of gathering the vocabulary), each chunk's logits
-computed again in the backward rather than kept (as `target_logprobs` does). Under context parallel
+computed again in the backward rather than kept (as `target_logprobs` does above
+`KEEP_PROBS_ELEMENTS`). Under context parallel
 each rank does the same on its share of the columns, for the scored tokens whose predicting column
 it holds (`context_parallel.local_parents`), and the group sums the log-probs.
 
