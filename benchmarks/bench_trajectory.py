@@ -45,7 +45,7 @@ from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 from gyre_ray.trainers.batch import MicroBatch, model_logprobs
 from gyre_ray.trajectory.batching import micro_batches
 from gyre_ray.trajectory.config import TrajectorySection
-from gyre_ray.trajectory.packing import split_roots
+from gyre_ray.trajectory.pieces import split_roots
 from gyre_ray.trajectory.pipeline import TOKEN_FIGURES, execution_samples, process_execution
 from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_executions
 

@@ -43,7 +43,8 @@ def widest_batch(turns: int, seed: int = 0) -> tuple[MicroBatch, int]:
     """The widest micro-batch of one long synthetic execution (real pipeline, default packing)."""
     from gyre_ray.model.arch import ModelArgs
     from gyre_ray.trajectory.batching import micro_batches
-    from gyre_ray.trajectory.packing import pack_paths, split_roots
+    from gyre_ray.trajectory.packing import pack_paths
+    from gyre_ray.trajectory.pieces import split_roots
     from gyre_ray.trajectory.pipeline import process_execution
     from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_execution
 

@@ -13,7 +13,8 @@ from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 from gyre_ray.trainers.batch import sequential_parent_index, token_logprobs
 from gyre_ray.trajectory.batching import micro_batches
 from gyre_ray.trajectory.config import TrajectorySection
-from gyre_ray.trajectory.packing import pack_paths, split_roots
+from gyre_ray.trajectory.packing import pack_paths
+from gyre_ray.trajectory.pieces import split_long, split_roots
 from gyre_ray.trajectory.pipeline import build_training_batches, process_execution
 from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_execution
 
@@ -57,24 +58,34 @@ def solo_logprobs(net, tokens: list[int]) -> torch.Tensor:
     return token_logprobs(net(ids), ids, sequential_parent_index(1, len(tokens)))[0]
 
 
-def packed_batches(procs, pieces: bool):
+# Shorter than the trees' main contexts: `split_long` cuts below the shared system prompt.
+SHORT_PIECES = 40
+
+
+def packed_batches(procs, pieces: str):
     samples = []
     for proc in procs:
         sample = pack_paths(proc.execution_id, proc.selected, advantage=1.0)
-        samples.extend(split_roots(sample) if pieces else [sample])
+        split = {"whole": lambda s: [s], "roots": split_roots, "long": lambda s: split_long(s, SHORT_PIECES)}
+        samples.extend(split[pieces](sample))
     return samples, micro_batches(samples, row_tokens=700, micro_batch_tokens=1400)
 
 
 @pytest.mark.parametrize(
     ("pieces", "dtype"),
-    [(False, torch.float64), (True, torch.float64), (True, torch.float32)],
-    ids=["whole-trees-f64", "split-roots-f64", "split-roots-f32"],
+    [("whole", torch.float64), ("roots", torch.float64), ("roots", torch.float32), ("long", torch.float64)],
+    ids=["whole-trees-f64", "split-roots-f64", "split-roots-f32", "split-long-f64"],
 )
-def test_packed_forward_equals_each_selected_path_alone(pieces: bool, dtype: torch.dtype) -> None:
+def test_packed_forward_equals_each_selected_path_alone(pieces: str, dtype: torch.dtype) -> None:
+    """Every path's log-probs in its packed row are those it has alone, whole trees or cut: a cut
+    below a prefix (`split_long`) gives each piece a copy of it as its ancestry."""
     net = model(dtype)
     procs = [p for p, _, _ in executions()]
     samples, batches = packed_batches(procs, pieces)
     assert any(len(b.meta["execution_ids"]) > 1 for b in batches), "rows should hold several trees"
+    if pieces == "long":  # cut below a prefix, not only into roots
+        assert len(samples) > len(packed_batches(procs, "roots")[0])
+        assert any(s.meta.get("prefix_tokens", 0) > 0 for s in samples)
     worst, causal_gap, compared = 0.0, 0.0, 0
     with torch.no_grad():
         for batch in batches:
@@ -105,7 +116,10 @@ def test_packed_forward_equals_each_selected_path_alone(pieces: bool, dtype: tor
     assert causal_gap > 1e-2, "plain causal attention over the packed row must not pass this test"
 
 
-def test_packed_loss_gradient_equals_expanded_loss_with_each_output_token_counted_once() -> None:
+@pytest.mark.parametrize("max_piece_tokens", [65536, SHORT_PIECES], ids=["default", "cut-long-trees"])
+def test_packed_loss_gradient_equals_expanded_loss_with_each_output_token_counted_once(
+    max_piece_tokens: int,
+) -> None:
     net = model(torch.float64)
     found = executions()
     procs = [p for p, _, _ in found]
@@ -113,8 +127,15 @@ def test_packed_loss_gradient_equals_expanded_loss_with_each_output_token_counte
     groups = dict.fromkeys(rewards, "task")
     advantages = group_advantages(rewards, groups)
     # The whole pipeline: records -> trees -> selection -> packed pieces -> rows -> micro-batches.
-    cfg = TrajectorySection(budget=5, row_tokens=200, micro_batch_tokens=400)
+    cfg = TrajectorySection(
+        budget=5, row_tokens=200, micro_batch_tokens=400, max_piece_tokens=max_piece_tokens
+    )
     batches = build_training_batches({p.execution_id: r for p, _, r in found}, rewards, groups, cfg)
+    if max_piece_tokens == SHORT_PIECES:  # trees were cut: their prefix copies add columns
+        whole = build_training_batches(
+            {p.execution_id: r for p, _, r in found}, rewards, groups, TrajectorySection(budget=5)
+        )
+        assert sum(b.meta["tokens"] for b in batches) > sum(b.meta["tokens"] for b in whole)
     assert len(batches) > 1 and step_scale(batches) == pytest.approx(1 / 3)
     # Behaviour logprobs near the current policy, so some sequences are clipped and some are not.
     g = torch.Generator().manual_seed(7)

@@ -11,7 +11,8 @@ from gyre_ray.model.tree_layout import TreeLayout
 from gyre_ray.trainers.batch import dense_attention_mask
 from gyre_ray.trajectory.batching import collate, micro_batches, pack_rows
 from gyre_ray.trajectory.config import TrajectorySection
-from gyre_ray.trajectory.packing import expand_paths, pack_paths, split_roots
+from gyre_ray.trajectory.packing import Sample, expand_paths, pack_paths
+from gyre_ray.trajectory.pieces import split_long, split_roots
 from gyre_ray.trajectory.pipeline import build_training_batches, process_execution
 from gyre_ray.trajectory.records import CallRecord
 from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_execution
@@ -177,3 +178,71 @@ def test_per_path_weights_leave_out_a_path_without_loss_tokens() -> None:
     weights = [w for ws in sample.path_weights for w in ws]
     assert sorted(len(cols) for cols in sample.path_columns) == [0, 2]
     assert weights == [pytest.approx(0.5), pytest.approx(0.5)]
+
+
+def _branching_sample(prefix_loss: bool) -> Sample:
+    """A 4-token root (its last token a model output when `prefix_loss`) and two branches under it,
+    of 5 and 6 tokens whose last 2 are model outputs; one path per branch."""
+    loss = [False, False, False, prefix_loss, False, False, False, True, True] + [False] * 4 + [True] * 2
+    paths = [[c for c in (3, 7, 8) if loss[c]], [c for c in (3, 13, 14) if loss[c]]]
+    total = sum(loss)
+    return Sample(
+        execution_id="e", input_ids=list(range(100, 115)), position_ids=[*range(9), *range(4, 10)],
+        parent_index=[-1, 0, 1, 2, 3, 4, 5, 6, 7, 3, 9, 10, 11, 12, 13],
+        segments=[(0, 4, -1), (4, 9, 0), (9, 15, 0)], loss_mask=loss,
+        old_logprobs=[-0.5 if f else 0.0 for f in loss], versions=[3 if f else -1 for f in loss],
+        path_columns=paths, path_weights=[[1 / ((1 + (c == 3)) * total) for c in cols] for cols in paths],
+        path_roles=["main", "sub-agent"], advantage=0.5,
+    )  # fmt: skip
+
+
+def test_a_long_tree_is_cut_below_a_loss_free_prefix_each_piece_with_its_copy() -> None:
+    """Over `max_tokens`, the tree is cut at its topmost branch point: one piece per branch, each
+    with a copy of the root as its ancestry; every path whole in one piece, its loss tokens once."""
+    sample = _branching_sample(prefix_loss=False)
+    assert split_long(sample, 0) == [sample] and split_long(sample, 15) == [sample]  # fits: whole
+    first, second = split_long(sample, 10)
+    assert first.input_ids == [*range(100, 104), *range(104, 109)]
+    assert second.input_ids == [*range(100, 104), *range(109, 115)]
+    assert second.parent_index == [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8]  # the copy is the branch's ancestry
+    assert second.position_ids == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert second.segments == [(0, 4, -1), (4, 10, 0)]
+    assert (first.path_columns, second.path_columns) == ([[7, 8]], [[8, 9]])
+    assert [second.input_ids[c] for c in second.path_columns[0]] == [113, 114]
+    assert first.path_weights + second.path_weights == sample.path_weights
+    assert sum(first.loss_mask) + sum(second.loss_mask) == sum(sample.loss_mask)
+    assert (first.path_roles, second.path_roles) == (["main"], ["sub-agent"])
+    assert second.meta == {"piece": 1, "prefix_tokens": 4}
+
+
+def test_a_prefix_holding_a_loss_token_is_never_copied() -> None:
+    """Copying it would score that model output twice: such a tree stays whole, however long."""
+    sample = _branching_sample(prefix_loss=True)
+    assert split_long(sample, 5) == [sample]
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        split_long(sample, -1)
+
+
+def test_cut_pieces_of_real_trees_keep_every_path_and_loss_token_once() -> None:
+    """Synthetic agent trees (sub-agents, compactions, retries) cut to pieces of at most 40 tokens
+    where a loss-free prefix allows: the same loss tokens and paths, every piece's attention exact."""
+    for seed in range(4):
+        records, _ = synthetic_execution(f"e{seed}", seed, SMALL)
+        sample = pack_paths(f"e{seed}", process_execution(records).selected)
+        pieces = split_long(sample, 40)
+        assert len(pieces) > len(split_roots(sample))
+        assert sum(p.num_loss_tokens for p in pieces) == sample.num_loss_tokens
+        assert sorted(w for p in pieces for ws in p.path_weights for w in ws) == sorted(
+            w for ws in sample.path_weights for w in ws
+        )
+
+        def path_chains(samples: list[Sample]) -> list[list[int]]:  # each path's tokens, leaf to root
+            return sorted(
+                [s.input_ids[c] for c in chain(s.parent_index, cols[-1])]
+                for s in samples for cols in s.path_columns if cols
+            )  # fmt: skip
+
+        assert path_chains(pieces) == path_chains([sample])
+        for piece in pieces:  # depth positions follow each column's ancestry
+            for j in range(piece.num_tokens):
+                assert len(chain(piece.parent_index, j)) == piece.position_ids[j] + 1

@@ -16,7 +16,8 @@ from gyre_ray.model.tree_attention import plan_tree
 from gyre_ray.model.tree_layout import TreeLayout
 from gyre_ray.trainers.batch import MicroBatch, model_logprobs
 from gyre_ray.trajectory.batching import micro_batches
-from gyre_ray.trajectory.packing import pack_paths, split_roots
+from gyre_ray.trajectory.packing import pack_paths
+from gyre_ray.trajectory.pieces import split_roots
 from gyre_ray.trajectory.pipeline import process_execution
 from gyre_ray.trajectory.synthetic import SyntheticWorkload, synthetic_execution
 from tests.test_trainer_tree_path import ARGS, grads_of

@@ -61,6 +61,13 @@ class TrajectorySection(Section):
         description="Packed samples are laid side by side in rows of at most this many tokens "
         "(a sample longer than this gets a row of its own).",
     )
+    max_piece_tokens: int = Field(
+        65536,
+        ge=0,
+        description="A packed execution tree longer than this is cut at branch points whose shared "
+        "prefix holds no loss token (a system prompt), each piece with its own copy of that prefix, "
+        "until each piece fits (docs/trajectory.md, Packing); 0 = never cut (each token computed once).",
+    )
     micro_batch_tokens: int = Field(
         8192,
         ge=16,

@@ -27,8 +27,9 @@ from gyre_ray.algo.config import AlgoSection
 from gyre_ray.trainers.batch import MicroBatch
 from gyre_ray.trajectory.batching import micro_batches
 from gyre_ray.trajectory.config import TrajectorySection
-from gyre_ray.trajectory.packing import Sample, expand_paths, pack_paths, split_roots
+from gyre_ray.trajectory.packing import Sample, expand_paths, pack_paths
 from gyre_ray.trajectory.paths import TreePath, select_paths, tree_paths
+from gyre_ray.trajectory.pieces import split_long
 from gyre_ray.trajectory.records import CallRecord
 from gyre_ray.trajectory.roles import classify_roles
 from gyre_ray.trajectory.tree import CallTree, Decode
@@ -148,8 +149,9 @@ def training_batches_with_stats(
     Advantages are normalised within each group (`group_ids[execution] -> task key`) over the
     executions that have a reward. Executions without records or without model-generated tokens
     are skipped (they carry no loss). Every execution in `records_by_execution` needs a reward and a group id.
-    Packed trees are cut into one piece per root (`split_roots`, exact); `layout="expanded"` gives
-    one plain row per selected path instead (for comparison).
+    Packed trees are cut into one piece per root, and a tree longer than
+    `trajectory.max_piece_tokens` at branch points below a loss-free prefix (`split_long`, exact);
+    `layout="expanded"` gives one plain row per selected path instead (for comparison).
     """
     traj_cfg, algo_cfg = _sections(cfg)
     missing = [e for e in records_by_execution if e not in rewards]
@@ -174,8 +176,10 @@ def training_batches_with_stats(
             pieces = [
                 piece
                 for sample in execution_samples(processed, advantages[execution_id], layout)
-                # Roots never attend to each other: shorter pieces keep the dense (T, T) masks small.
-                for piece in (split_roots(sample) if layout == "packed" else [sample])
+                # shorter rows: less memory a micro-batch, and an execution's branches on several cells
+                for piece in (
+                    split_long(sample, traj_cfg.max_piece_tokens) if layout == "packed" else [sample]
+                )
                 if piece.num_loss_tokens
             ]
             samples.extend(pieces)
