@@ -77,6 +77,9 @@ def _eval_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--model-dir {model_dir}: no config.json (not an HF model folder)")
         out = Path(args.out or runs_root(cfg.run.run_dir) / f"eval-{stamp}")
     _check_outputs(out, args.json)  # before the round, which takes a while
+    from gyre_ray.agents.harnesses import check_harness_here
+
+    check_harness_here(cfg.agents)
     try:
         check_hf_folder(model_dir)
     except (OSError, ValueError) as exc:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.agents.harnesses import check_harness_here
 from gyre_ray.checkpoint import latest as latest_checkpoint
 from gyre_ray.checkpoint import latest_good, load_state, require_good, trainer_dir
 from gyre_ray.config import GyreConfig, load_config
@@ -161,8 +162,9 @@ def train(
         start, restarts = live.start, live.restarts
     else:
         check_model_path(cfg)  # a missing or torn model folder fails here, not in every cell
-        # an impossible split or step fails here, before the warm-up and not in the scheduler actor
+        # an impossible split or step, or a harness not installed here, fails before the warm-up
         check_tasks_per_step(cfg)
+        check_harness_here(cfg.agents)
         # the warm-up (a no-op when it is off), cached in the runs folder: a resumed run's own parent
         root = resumed.parent if resumed is not None else runs_root(cfg.run.run_dir)
         cfg = prepare_policy(cfg, root)

@@ -147,3 +147,32 @@ def test_a_step_needing_more_tasks_than_the_set_has_is_refused_before_the_warm_u
     assert code == 2 and out == ""
     assert err.strip().startswith("gyre-ray train: run.tasks_per_step=4 but agents.task_set 'words' has 3 ")
     assert "after run.eval_holdout=1 held out" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_harness_not_installed_here_is_refused_up_front(
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str,
+    checkpointed_run: Path,
+) -> None:  # fmt: skip
+    """A local run whose Claude Code is missing used to drop every execution for it (a whole step
+    later); with no runner actors its executions run here, so the command says so at once."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("gyre_ray.agents.harnesses.claude_binary", lambda: None)
+
+    def warm_up(*_: object) -> None:
+        raise AssertionError("the warm-up ran before the harness was checked")
+
+    monkeypatch.setattr("gyre_ray.warmup.sft.prepare_policy", warm_up)
+    argv = ["agents.harness=claude-code", f"run.run_dir={tmp_path / 'runs'}"]
+    if command == "eval":
+        argv = ["--run", str(checkpointed_run), "--out", str(tmp_path / "out"), *argv[:1]]
+    code, out, err = run(capsys, command, *argv)
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        f"gyre-ray {command}: agents.harness=claude-code: Claude Code is not installed; run: make install-harnesses"
+    )
+    monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # on a cluster: where Ray puts them, unchecked
+    from gyre_ray.agents.harnesses import check_harness_here
+    from gyre_ray.config import load_config
+
+    check_harness_here(load_config(None, ["agents.harness=claude-code"]).agents)

@@ -21,6 +21,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gyre_ray.envs.task_scoring import program_problem, template_problem
 
@@ -60,6 +61,33 @@ def claude_binary() -> str | None:
 
 def codex_binary() -> str | None:
     return find_binary("CODEX_BIN", ".cache/codex/node_modules/.bin/codex", "codex")
+
+
+def harness_missing(harness: str) -> str | None:
+    """Why `harness` cannot start on this machine (Claude Code or Codex not installed, or its
+    `*_BIN` variable naming no executable), else None."""
+    finders = {"claude-code": ("Claude Code", claude_binary), "codex": ("Codex", codex_binary)}
+    if harness not in finders:
+        return None
+    name, find = finders[harness]
+    try:
+        found = find()
+    except FileNotFoundError as exc:
+        return str(exc)
+    return None if found else f"{name} is not installed; run: make install-harnesses"
+
+
+def check_harness_here(agents: Any) -> None:
+    """ConfigError when executions run on this machine (a private local Ray, no runner actors) and
+    `agents.harness` cannot start here: found before any slow work, instead of every execution
+    being dropped for it. On a cluster the harnesses run where Ray puts them; nothing is checked."""
+    from gyre_ray.config import ConfigError
+
+    if os.environ.get("RAY_ADDRESS") or agents.runners:
+        return
+    missing = harness_missing(agents.harness)
+    if missing:
+        raise ConfigError(f"agents.harness={agents.harness}: {missing}")
 
 
 def codex_config(openai_base_url: str) -> str:
@@ -123,13 +151,13 @@ def build_harness(
     if harness == "claude-code":
         claude = claude_binary()
         if claude is None:
-            raise FileNotFoundError("Claude Code is not installed; run: make install-harnesses")
+            raise FileNotFoundError(harness_missing(harness))
         env = {"IS_SANDBOX": "1"} if as_root else {}
         return HarnessSpec([claude, "-p", prompt, "--dangerously-skip-permissions", *extra], env)
     if harness == "codex":
         codex = codex_binary()
         if codex is None:
-            raise FileNotFoundError("Codex is not installed; run: make install-harnesses")
+            raise FileNotFoundError(harness_missing(harness))
         command = [codex, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", *extra, prompt]
         return HarnessSpec(command, {}, {".codex/config.toml": codex_config(openai_url)})
     if harness == "command":
