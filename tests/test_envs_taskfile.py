@@ -141,6 +141,11 @@ def test_a_failing_evaluator_is_retried_within_the_budget_then_dropped(exec_tmp:
         never_task, exec_tmp, "pass", "b", timeout_s=30, eval_budget_s=3
     )  # two tries at least, also on a loaded machine
     assert not out.valid and "evaluator timed out" in out.reason and "evaluator tries" in out.detail
+    # a harness that also timed out: the drop is the evaluator's, so its reason comes first (the
+    # step's drop_reasons count the first clause; they used to say "timed out")
+    out = _run(never_task, exec_tmp, "import time; time.sleep(30)", "c", timeout_s=1, eval_budget_s=1)
+    assert not out.valid and out.timed_out
+    assert out.reason.startswith("evaluator timed out") and out.reason.endswith("; timed out"), out.reason
 
 
 @pytest.mark.parametrize(
@@ -175,6 +180,13 @@ def test_a_task_without_an_evaluator_is_scored_by_its_hidden_tests(exec_tmp: Pat
     # and it scores so: the share of the hidden tests the workspace passes
     out = _run(task, exec_tmp, "open('answer.py', 'w').write('X = 1\\nY = 3\\n')", timeout_s=30)
     assert out.valid and out.reward == 0.5 and out.detail == "1/2 hidden tests passed", out.detail
+    # a workspace path holding a space or a quote is importable too (pytest splits its ini value
+    # like a shell line: the workspace was two paths, and every test failed to import)
+    code = "open('answer.py', 'w').write('X = 1\\nY = 2\\n')"
+    spaced = exec_tmp / "it's runs" / "ws2"
+    spaced.parent.mkdir()
+    out = run_execution("ws2", task, NOWHERE, spaced, command=[sys.executable, "-c", code], timeout_s=30)
+    assert out.valid and out.reward == 1.0 and out.detail == "2/2 hidden tests passed", out.detail
     no_tests = _write(exec_tmp / "bare.jsonl", '{"id": "b", "prompt": "p"}\n')
     with pytest.raises(TaskFileError, match="needs hidden tests"):
         load_task_file(no_tests)

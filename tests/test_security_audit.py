@@ -207,3 +207,40 @@ def test_modules_the_agent_plants_in_its_workspace_never_run_as_root(exec_tmp: P
     assert out.valid and out.reward == 0.25, (out.reason, out.detail, out.log_tail)
     assert (workspace / "argparse.py").is_file()  # planted
     assert not list(workspace.glob("imported-as-*"))  # and imported by no one, root least of all
+
+
+# ---- a json judge's output, read back from a file the agent's uid could replace ---------------------
+
+FORGE_JUDGE_LOG = r'''
+open("solve.py", "w").write("""
+import glob, os
+print(41)  # the wrong answer
+for log in glob.glob("../*.eval/evaluator.log") + glob.glob("../*.eval.log"):
+    try:  # the judge's output, replaced: a new file where the job reads it back
+        os.rename(log, log + ".old")
+        open(log, "w").write('{"score": 1.0}\\\\n')
+    except OSError:
+        pass
+""")
+'''
+
+
+@needs_root
+def test_code_a_json_judge_runs_cannot_replace_the_judges_output(exec_tmp: Path) -> None:
+    """A `json` judge that runs the agent's code in a process of its own (what docs/harnesses.md
+    recommends where agents may game the reward) printed its score into the evaluator's folder,
+    which the execution's uid owns: that code could rename the file and leave a forged score line
+    where the job read it back (1.0 for a wrong answer). The output now goes to a file in the job's
+    folder."""
+    hidden = exec_tmp / "hidden"
+    hidden.mkdir()
+    (hidden / "judge.py").write_text(
+        "import json, subprocess, sys\n"
+        "out = subprocess.run([sys.executable, 'solve.py'], capture_output=True, text=True).stdout\n"
+        "print(json.dumps({'score': 1.0 if out.strip() == '42' else 0.0}))\n"
+    )
+    task = make_task(evaluate=CommandEvaluator("json", (sys.executable, "{hidden}/judge.py"), hidden))
+    out = run_execution(
+        "F", task, NOWHERE, exec_tmp / "workspaces" / "F", command=py(FORGE_JUDGE_LOG), timeout_s=30
+    )
+    assert out.valid and out.reward == 0.0, (out.reward, out.detail)

@@ -33,7 +33,7 @@ from gyre_ray.agents.sandbox import (
 )
 from gyre_ray.agents.supervise import Finished, supervise
 from gyre_ray.envs.base import EvalContext, EvalResult, Task, evaluate_with_retries
-from gyre_ray.envs.untrusted import remove_entries
+from gyre_ray.envs.untrusted import UntrustedFileError, read_untrusted, remove_entries
 from gyre_ray.json_values import is_int
 
 
@@ -155,9 +155,10 @@ def _run(
     home, tmp = workspace.parent / f"{workspace.name}.home", workspace.parent / f"{workspace.name}.tmp"
     scratch = workspace.parent / f"{workspace.name}.eval"
     log_path = workspace.parent / f"{workspace.name}.log"
+    eval_log = workspace.parent / f"{workspace.name}.eval.log"  # the job's: the uid cannot replace it
     # what an earlier run left (a rerun of `gyre-ray eval --out DIR` reuses the folders), never through
     # a link its agent planted: the job seeds and writes them as root
-    remove_entries(workspace, home, tmp, scratch, log_path)
+    remove_entries(workspace, home, tmp, scratch, log_path, eval_log)
     task.seed_workspace(workspace)
     for rel, text in opts.home_files.items():
         (home / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,7 @@ def _run(
     def run_command(cmd: list[str], cwd: Path, timeout: float, extra: dict[str, str]):
         env = harness_env(identity, eval_home, eval_tmp, {**extra, "PYTHONNOUSERSITE": "1"})
         return supervise(
-            cmd, identity=identity, cwd=cwd, env=env, log_path=scratch / "evaluator.log",
+            cmd, identity=identity, cwd=cwd, env=env, log_path=eval_log,
             timeout_s=timeout, limits=opts.limits, watch=watch + [scratch],
         )  # fmt: skip
 
@@ -204,9 +205,11 @@ def _run(
         result = EvalResult(0.0, valid=False, detail="no model calls: nothing to train on")
     else:
         prepare_folders(identity, eval_home, eval_tmp, scratch)  # (scratch last: it closes 0700)
-        result = evaluate_with_retries(task, EvalContext(workspace, scratch, run_command), opts.eval_budget_s)
-    tail = log_path.read_bytes()[-2000:].decode(errors="replace") if log_path.exists() else ""
-    reasons = [r for r in (reason, "" if result.valid else result.detail) if r]
+        context = EvalContext(workspace, scratch, run_command, eval_log)
+        result = evaluate_with_retries(task, context, opts.eval_budget_s)
+    tail = _log_tail(log_path)
+    # an execution dropped for want of a score is dropped for the evaluator's reason: it goes first
+    reasons = [r for r in ("" if result.valid else result.detail, reason) if r]
     if calls == 0:
         unstarted = START_FAILURE.search(tail)  # the limits wrapper could not exec the harness
         reasons = (
@@ -227,3 +230,12 @@ def _run(
         reason="; ".join(reasons),
         calls=calls,
     )
+
+
+def _log_tail(path: Path, limit: int = 2000) -> str:
+    """The last `limit` bytes of the harness log (it may have grown to gigabytes: only the tail is
+    read), or "" when there is none."""
+    try:
+        return read_untrusted(path, limit, tail=True).decode(errors="replace")
+    except (OSError, UntrustedFileError):
+        return ""

@@ -30,12 +30,15 @@ Evaluator = Callable[[Path], EvalResult]
 @dataclass(frozen=True)
 class EvalContext:
     """What a command evaluator gets besides the workspace: a private scratch folder (hidden tests,
-    reports) and `run(command, cwd, timeout_s, env)`, which runs a command in the execution's
-    sandbox (its uid and limits) and returns `supervise.Finished`."""
+    reports), `run(command, cwd, timeout_s, env)`, which runs a command in the execution's sandbox
+    (its uid and limits) and returns `supervise.Finished`, and `log`, where that command's output
+    goes: a file in the job's folder, which the execution's uid cannot replace (its scratch folder
+    it can: a judge's output read back from there could be the agent's forgery)."""
 
     workspace: Path
     scratch: Path
     run: Callable[[list[str], Path, float, dict[str, str]], Any]
+    log: Path
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import sys
 import xml.etree.ElementTree as ET
@@ -114,7 +115,8 @@ class CommandEvaluator:
                 "python": sys.executable,
             }
             return [part.format_map(values) for part in self.command]
-        write_fresh(scratch / "pytest.ini", f"[pytest]\npythonpath = {workspace}\n")  # a folder the uid owns
+        # a folder the uid owns; quoted, as pytest splits the value like a shell line
+        write_fresh(scratch / "pytest.ini", f"[pytest]\npythonpath = {shlex.quote(str(workspace))}\n")
         cmd = [sys.executable, "-I", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest"]
         cmd += ["-c", str(scratch / "pytest.ini"), "--rootdir", str(scratch)]
         cmd += ["--junitxml", str(scratch / "report.xml")]
@@ -124,7 +126,7 @@ class CommandEvaluator:
 
     def __call__(self, workspace: Path, ctx: EvalContext) -> EvalResult:
         scratch = ctx.scratch
-        remove_entries(*(scratch / name for name in ("hidden", "report.xml", "evaluator.log", "pytest.ini")))
+        remove_entries(*(scratch / name for name in ("hidden", "report.xml", "pytest.ini")), ctx.log)
         if self.hidden is not None:  # the source may be closed to the sandbox (make_private): open the copy
             shutil.copytree(self.hidden, scratch / "hidden")
             for dirpath, _dirs, filenames in os.walk(scratch / "hidden"):
@@ -147,7 +149,7 @@ class CommandEvaluator:
             why = "timed out" if finished.timed_out else f"passed its {finished.limit}"
             return EvalResult(0.0, valid=False, detail=f"evaluator {why}")
         try:
-            tail = read_untrusted(scratch / "evaluator.log", LOG_TAIL_BYTES, tail=True)
+            tail = read_untrusted(ctx.log, LOG_TAIL_BYTES, tail=True)
             output = tail.decode(errors="replace")
         except FileNotFoundError:
             output = ""
