@@ -162,3 +162,17 @@ def test_render_rejects_unknown_roles_and_non_text_parts():
         render([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="'image_url' is not supported"):
         render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+@pytest.mark.parametrize(
+    "block",
+    ["[" * 3000, '{"name": "f", "arguments": {"x": 1e999}}', '{"name": "f", "arguments": "{\\"x\\": NaN}"}'],
+    ids=["nested-past-the-parser", "number-out-of-range", "nan-in-string-arguments"],
+)
+def test_a_tool_call_json_cannot_hold_stays_text(block: str) -> None:
+    """A policy's degenerate output (3,000 brackets) raised RecursionError through the proxy (a 500,
+    recorded as a client disconnect); inf or NaN arguments could not be echoed back as JSON. Each is
+    malformed markup: kept as text, described in `errors`."""
+    text = f"<tool_call>{block}</tool_call>"
+    parsed = parse_assistant_output(text)
+    assert parsed.tool_calls == [] and parsed.content == text and len(parsed.errors) == 1

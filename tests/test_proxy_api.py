@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import openai
 import pytest
 from asgi_scope import json_post_scope
@@ -596,6 +597,39 @@ def test_hopeless_prompts_are_refused_before_encoding_and_errors_name_the_field(
     assert errors["digits"]["message"] == "malformed JSON: a number has more than 4300 digits"
 
 
+def test_bodies_that_used_to_fail_inside_the_proxy_are_400s(proxy):
+    """Each of these reached a handler and ended in a 500 (one after the call had run and been
+    recorded): raw surrogate bytes (not UTF-8), a number out of float range (the Responses API echoes
+    `metadata` back, and JSON cannot hold inf), nesting deeper than the serialisers' recursion, a
+    tool schema whose property type is not a string."""
+    deep = b'{"model": "m", "input": "hi", "metadata": {"x": ' + b"[" * 400 + b"]" * 400 + b"}}"
+    schema = {"type": "object", "properties": {"x": {"type": {}}}}
+    bodies = {
+        "raw surrogate": ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "hi \xed\xa0\x80"}]}'),
+        "inf metadata": ("/v1/responses", b'{"model": "m", "input": "hi", "metadata": {"x": 1e400}}'),
+        "deep": ("/v1/responses", deep),
+        "unhashable type": ("/v1/chat/completions", json.dumps({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+        }).encode()),
+    }  # fmt: skip
+
+    async def body(c, _):
+        key = {"Authorization": f"Bearer {c.openai.api_key}"}
+        return {
+            name: await c.http.post(path, content=raw, headers=key) for name, (path, raw) in bodies.items()
+        }
+
+    out, records = scenario(proxy, body)
+    assert {name: r.status_code for name, r in out.items()} == dict.fromkeys(bodies, 400)
+    errors = {name: r.json()["error"]["message"] for name, r in out.items()}
+    assert errors["raw surrogate"].startswith("the request body is not UTF-8 text")
+    assert errors["inf metadata"] == "malformed JSON: the number 1e400 is out of range"
+    assert errors["deep"] == "malformed JSON: nested deeper than 100 levels"
+    assert "unknown JSON-schema type {}" in errors["unhashable type"]
+    assert records == []  # refused before any call ran
+
+
 def test_options_the_proxy_does_not_serve_are_refused_by_name(proxy):
     """Asking for log-probs, best_of or a suffix is a 400 naming the option, never a silent null."""
 
@@ -654,3 +688,50 @@ def test_calls_past_the_waiting_limit_get_their_429_at_once(tmp_path):
     assert third.headers.get("retry-after") and refused_in < 1.0  # not after queue_timeout_s (5 s)
     assert first.status_code == 200 and second.status_code == 200  # the waiting one got the slot
     assert len(records) == 2 and lp.service._waiting == {} and lp.service._inflight == {}
+
+
+def test_a_stream_whose_client_leaves_before_its_body_starts_is_recorded_and_frees_its_slot(tmp_path):
+    """A server speaking ASGI spec 2.3 (uvicorn) cancels a streaming response at once when the
+    client disconnects, which can be before its body generator first runs: the call's tokens were
+    then never recorded and its slot was held until garbage collection. Each such call is now
+    stopped, recorded as `client_disconnected`, and its slot freed."""
+    section = ProxySection(max_concurrent_per_execution=1)
+    lp = asyncio.run(
+        build_local_proxy(
+            CODEC, _factory(token_delay_s=0.05, reply_length=100), tmp_path, num_cells=1, section=section
+        )
+    )
+    created = lp.register_execution()
+    user = [{"role": "user", "content": "hi"}]
+    # (one API: every streaming route returns its events through the same `sse`; each such call
+    # waits out ABORT_WAIT_S for a cell stream nothing reads)
+    calls = {"/v1/chat/completions": {"model": "m", "messages": user, "stream": True, "max_tokens": 100}}
+
+    async def leave_at_once(path: str, payload: dict) -> None:
+        incoming = [{"type": "http.request", "body": json.dumps(payload).encode(), "more_body": False}]
+
+        async def receive() -> dict:
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+        async def send(_message: dict) -> None:
+            await asyncio.sleep(0)  # a real server's send yields: the disconnect is seen meanwhile
+
+        scope = json_post_scope(path, {"authorization": f"Bearer {created['api_key']}"})
+        await lp.app({**scope, "asgi": {"version": "3.0", "spec_version": "2.3"}}, receive, send)
+
+    async def main() -> None:
+        for path, payload in calls.items():
+            await leave_at_once(path, payload)
+        # the slot is free again: a plain call of the same execution is served (limit 1 in flight)
+        transport = httpx.ASGITransport(app=lp.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            done = await client.post(
+                "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": user},
+                headers={"x-api-key": created["api_key"]},
+            )  # fmt: skip
+        assert done.status_code == 200, done.text
+
+    asyncio.run(main())
+    records = lp.store.records(created["execution_id"])
+    assert len(records) == 2
+    assert [bool(r.meta.get("client_disconnected")) for r in records] == [True, False]

@@ -16,6 +16,7 @@ training both rely on that. `assets/chat_template.jinja` is the same format for 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -239,11 +240,30 @@ def encode_chat(
 
 
 # ----------------------------------------------------------------------------- parsing
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _not_a_number(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _strict_json(raw: str) -> Any:
+    """`json.loads` refusing NaN, Infinity and numbers out of float range (a tool call's arguments
+    are echoed back to the client as JSON, which cannot hold them)."""
+    return json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
+
+
 def _parse_call(raw: str) -> tuple[ToolCall | None, str | None]:
     try:
-        payload = json.loads(raw)
+        payload = _strict_json(raw)
     except json.JSONDecodeError as exc:
         return None, f"tool call is not valid JSON ({exc.msg} at char {exc.pos})"
+    except (RecursionError, ValueError):  # nested past the parser's depth; a number out of range
+        return None, "tool call JSON is nested too deeply or holds a number out of range"
     if not isinstance(payload, dict):
         return None, f"tool call JSON must be an object, got {type(payload).__name__}"
     name = payload.get("name")
@@ -252,8 +272,8 @@ def _parse_call(raw: str) -> tuple[ToolCall | None, str | None]:
     arguments = payload.get("arguments", payload.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
+            arguments = _strict_json(arguments) if arguments.strip() else {}
+        except (RecursionError, ValueError):  # (json.JSONDecodeError is a ValueError)
             return None, f"tool call {name!r}: 'arguments' is a string that is not JSON"
     if not isinstance(arguments, dict):
         return None, f"tool call {name!r}: 'arguments' must be an object, got {type(arguments).__name__}"

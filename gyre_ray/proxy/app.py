@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -94,24 +95,56 @@ async def _read_json(request: Request, limit: int, idle_s: float) -> Any:
     return _parse_json(await _read_body(request, limit, idle_s))
 
 
+MAX_JSON_DEPTH = 100  # arrays and objects within one another; a tool schema needs a handful
+
+
 def _parse_json(body: bytes) -> Any:
-    """The parsed body: 400 for an empty, malformed or non-text (lone surrogate) one."""
+    """The parsed body: 400 for an empty, malformed or non-text (not UTF-8, a lone surrogate) one, a
+    number out of float range (it could not be echoed back as JSON), or one nested deeper than
+    `MAX_JSON_DEPTH` (later steps recurse into it)."""
     if not body.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        value = json.loads(body, parse_constant=_reject_constant)
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ApiError(
+            400, f"the request body is not UTF-8 text (byte {exc.start} cannot be decoded)"
+        ) from None
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise ApiError(400, "malformed JSON: nested too deeply") from None
     except ValueError as exc:
         if "digits" in str(exc):  # Python's int-size guard; its message talks about sys
             raise ApiError(400, "malformed JSON: a number has more than 4300 digits") from None
         raise ApiError(400, f"malformed JSON: {exc}") from None
-    if _SURROGATE_ESCAPE.search(body):  # only an escape can put a surrogate in a parsed string
+    _reject_deep_nesting(value)
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can put a surrogate in the decoded text
         _reject_lone_surrogates(value)
     return value
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ApiError(400, f"malformed JSON: the number {text[:40]} is out of range")
+    return value
+
+
+def _reject_deep_nesting(value: Any) -> None:
+    """400 for arrays and objects nested deeper than `MAX_JSON_DEPTH`."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= MAX_JSON_DEPTH:
+                    raise ApiError(400, f"malformed JSON: nested deeper than {MAX_JSON_DEPTH} levels")
+                stack.append((child, depth + 1))
 
 
 def _reject_lone_surrogates(value: Any) -> None:

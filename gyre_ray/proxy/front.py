@@ -169,4 +169,23 @@ def sse(
 
     stream = body()
     slot.bind(stream)
-    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    return _RecordedStream(stream, gen, slot)
+
+
+class _RecordedStream(StreamingResponse):
+    """An SSE response that settles its call however the response ends. The server may cancel the
+    response before its body generator ever runs (the client went away while the first tokens were
+    awaited): the generator's own `finally` never runs then, so here the slot is released and the
+    call abandoned (stopped, its tokens so far recorded as `client_disconnected`)."""
+
+    def __init__(self, stream: AsyncIterator[str], gen: Generation, slot: Any) -> None:
+        super().__init__(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._gen, self._slot = gen, slot
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+            if self._gen.outcome is None:
+                await asyncio.shield(self._gen.abandon())

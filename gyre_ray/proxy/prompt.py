@@ -50,7 +50,7 @@ def check_parameters_schema(schema: dict[str, Any] | None) -> dict[str, Any] | N
             raise ValueError(f"property {name!r} of a tool schema must be a schema object")
         sub_type = sub.get("type")
         types = sub_type if isinstance(sub_type, list) else [sub_type] if sub_type is not None else []
-        bad = [t for t in types if t not in JSON_SCHEMA_TYPES]
+        bad = [t for t in types if not isinstance(t, str) or t not in JSON_SCHEMA_TYPES]
         if bad:
             raise ValueError(f"property {name!r} has unknown JSON-schema type {bad[0]!r}")
     required = schema.get("required", [])
