@@ -77,6 +77,14 @@ def test_optional_fields_may_be_absent_on_disk() -> None:
         ({"role": "planner"}, None, "role 'planner' is not one of main, main-summary"),
         ({"t_end": 0.5}, None, "t_end 0.5 is before t_start 1.0"),
         ({"call_id": ""}, None, "call_id must be a non-empty string"),
+        # past float range, or past 32 bits: a clear reason, not an OverflowError
+        (
+            {"output_logprobs": [-0.5, -(10**400)]},
+            None,
+            r"output_logprobs\[1\] = -1000.* is not a finite number",
+        ),
+        ({"t_end": 10**400}, None, r"t_end = 1000.* is not a finite number of seconds"),
+        ({"input_ids": [5, 2**32]}, None, r"input_ids\[1\] = 4294967296 is beyond any vocabulary"),
     ],
 )
 def test_self_contradicting_record_is_rejected_with_its_reason(overrides, vocab, reason) -> None:

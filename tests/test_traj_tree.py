@@ -161,3 +161,19 @@ def test_tree_keeps_every_call_exactly_and_stores_each_prefix_once(spec) -> None
     distinct = {tuple(h) for h in history}
     maximal = [h for h in distinct if not any(len(o) > len(h) and o[: len(h)] == h for o in distinct)]
     assert sorted(n.end_depth for n in tree.leaves()) == sorted(len(h) for h in maximal)
+
+
+def test_an_output_token_generated_again_carries_the_later_calls_logprob_and_version() -> None:
+    """A retry (same prompt) that samples the same first token shares it with the abandoned attempt;
+    the branch that lives on is the retry's (the later call's), so the token's behaviour log-prob
+    and version are its. They were the first attempt's: the kept path's sequence ratio then mixed
+    in a dropped call's policy."""
+    prompt = [1, 2]
+    first = CallRecord("e", "a", "main", prompt, [10, 11], [-2.0, -1.0], [3, 3], 0.0, 0.5)
+    retry = CallRecord("e", "r", "main", prompt, [10, 12], [-0.7, -0.9], [4, 4], 1.0, 1.5)
+    later = CallRecord("e", "c", "main", [*prompt, 10, 12, 30], [40], [-0.3], [4], 2.0, 2.5)
+    tree = CallTree.build([first, retry, later])
+    shared = tree.root.children[1]  # the prompt, then token 10, where the two attempts fork
+    k = shared.tokens.index(10)
+    assert shared.loss[k] and (shared.logprobs[k], shared.versions[k]) == (-0.7, 4)
+    assert tree.continues[2] == 1  # the continuation follows the retry

@@ -63,6 +63,9 @@ _INT_TYPES = frozenset((int,))
 _NUMBER_TYPES = frozenset((int, float))
 
 
+MAX_TOKEN_ID = 2**32 - 1  # token ids are kept as 32-bit unsigned (role matching, record chunks)
+
+
 def _ids_in_range(ids: list[Any], limit: int | None) -> bool:
     """True when every item is an `int` (exactly: no bool) in [0, limit): one pass in C for the types,
     one each for min and max. False means "look item by item" (it may still be valid, e.g. an int
@@ -137,7 +140,7 @@ class CallRecord:
             ids = getattr(self, name)
             if not isinstance(ids, list):
                 raise RecordError(f"{where}: {name} must be a list, got {type(ids).__name__}")
-            if _ids_in_range(ids, vocab_size):
+            if _ids_in_range(ids, vocab_size or MAX_TOKEN_ID + 1):
                 continue  # all valid; else find the first bad item below
             for i, tok in enumerate(ids):
                 if not is_int(tok) or tok < 0:
@@ -145,6 +148,10 @@ class CallRecord:
                 if vocab_size is not None and tok >= vocab_size:
                     raise RecordError(
                         f"{where}: {name}[{i}] = {tok} is outside the vocabulary (vocab_size {vocab_size})"
+                    )
+                if tok > MAX_TOKEN_ID:
+                    raise RecordError(
+                        f"{where}: {name}[{i}] = {tok} is beyond any vocabulary (over 2**32 - 1)"
                     )
         n_out = len(self.output_ids)
         for name in ("output_logprobs", "versions"):
@@ -156,7 +163,7 @@ class CallRecord:
         # The fast checks pass (C loops) for any valid list; only then are items looked at one by one.
         if not _logprobs_ok(self.output_logprobs):
             for i, lp in enumerate(self.output_logprobs):
-                if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
+                if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not _finite(lp):
                     raise RecordError(f"{where}: output_logprobs[{i}] = {lp!r} is not a finite number")
                 if lp > LOGPROB_TOLERANCE:
                     raise RecordError(f"{where}: output_logprobs[{i}] = {lp} is a log-probability above 0")
@@ -166,7 +173,7 @@ class CallRecord:
                     raise RecordError(f"{where}: versions[{i}] = {version!r} must be an integer >= 0")
         for name in ("t_start", "t_end"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not _finite(value):
                 raise RecordError(f"{where}: {name} = {value!r} is not a finite number of seconds")
         if self.t_end < self.t_start:
             raise RecordError(f"{where}: t_end {self.t_end} is before t_start {self.t_start}")
@@ -293,3 +300,11 @@ def group_by_execution(records: Iterable[CallRecord]) -> dict[str, list[CallReco
     for record in records:
         out.setdefault(record.execution_id, []).append(record)
     return out
+
+
+def _finite(value: float) -> bool:
+    """`math.isfinite`, False for an int beyond float range (where isfinite raises OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

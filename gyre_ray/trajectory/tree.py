@@ -134,6 +134,8 @@ class CallTree:
             for k in range(max(off, off + seq.prompt_len - i), off + run):  # output tokens only
                 if not node.loss[k]:
                     self._claim(node, k, seq, i + k - off)
+                else:  # generated again (a retry): the later call is the one whose branch lives on
+                    node.logprobs[k], node.versions[k] = seq.logprobs[i + k - off], seq.versions[i + k - off]
             for k, callers in node.ends.items():
                 if off <= k < off + run and i + k - off < seq.prompt_len:
                     predecessor = max(predecessor or (-1, -1), (node.depth + k, max(callers)))
