@@ -46,7 +46,13 @@ def test_a_cell_being_restarted_is_not_asked(monkeypatch) -> None:
         return SimpleNamespace(status=SimpleNamespace(remote=remote))
 
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: list(refs))
-    sched = SimpleNamespace(actors=[cell(0), cell(1), cell(2)], _restarting=lambda i: i == 1)
+    from gyre_ray.scheduling.runtime import CellPhase, CellView
+
+    # cell 3 is lost for good (dead, not restarted): asking it would fail every poll
+    views = [
+        CellView(f"cell-{i}", i, phase=CellPhase.LOST if i == 3 else CellPhase.ROLLOUT) for i in range(4)
+    ]
+    sched = SimpleNamespace(actors=[cell(i) for i in range(4)], _restarting=lambda i: i == 1, views=views)
     live = LiveMetrics()
     live.metrics = RecordingMetrics()
     live.poll_engines(sched)

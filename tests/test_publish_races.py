@@ -60,7 +60,7 @@ def scheduler(phases: list[CellPhase], monkeypatch: pytest.MonkeyPatch) -> tuple
     sched.trainer_version, sched.weights = 1, "weights-v1"
     sched.engine_version = [1] * len(phases)
     sched.sat_version = [1] * len(phases)
-    sched.switches, sched.ref_cell, sched.imports = {}, {}, set()
+    sched.switches, sched.ref_cell, sched.imports, sched.restarts = {}, {}, set(), {}
     sched.costs = Costs()
     sched.updates, sched.steps, sched.checkpoint_every = 1, 3, 0
     sched.step_metrics = []

@@ -149,7 +149,10 @@ def state_cells(state) -> float:
 
 
 def test_phases_map_to_roles_and_readiness() -> None:
-    assert [p.role for p in CellPhase] == [Role.ROLLOUT, Role.TRAIN, Role.TRAIN, Role.TRAIN, Role.ROLLOUT]
+    assert [p.role for p in CellPhase] == [
+        Role.ROLLOUT, Role.TRAIN, Role.TRAIN, Role.TRAIN, Role.ROLLOUT, Role.ROLLOUT
+    ]  # fmt: skip
+    assert not CellView("cell-1", 1, phase=CellPhase.LOST).ready
     view = CellView("cell-0", 0)
     view.enter(CellPhase.TRAINING, 2.0)
     state = build_state(2.5, 0, 1, 0, [view], ledger_with(1, {}), 0, COSTS)

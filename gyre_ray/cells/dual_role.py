@@ -256,7 +256,8 @@ class DualRoleCell(RolloutCell, CollectiveHost):
 
     async def rejoin(self, weights: Ticket | dict[str, Any] | None, version: int) -> dict[str, Any]:
         """A restarted cell (started drained): build engine and trainer, load the published `weights`
-        at `version` into the engine. It stays drained: the caller undrains it (`load_and_undrain`)."""
+        at `version` into the engine. It stays drained: the caller loads a version published meanwhile
+        (`update_weights`), then undrains it (`CellRecovery._rejoin_done`)."""
         await self.setup()
         if weights is not None:
             await self._engine().update_weights(await self._fetch(weights), version)

@@ -55,6 +55,8 @@ class LiveMetrics:
     def _gauges(self, sched: Any) -> None:
         roles = {"rollout": 0, "train": 0, "switching": 0}
         for view in sched.views:
+            if view.phase is CellPhase.LOST:  # out of the run: no role
+                continue
             if view.phase in _SWITCHING:
                 roles["switching"] += 1
             elif view.phase is CellPhase.ROLLOUT:
@@ -70,8 +72,9 @@ class LiveMetrics:
         import ray
 
         # a cell being restarted builds its engine with its event loop held (or waits for its bundle):
-        # asking it would hold the scheduler's loop for the whole timeout at every poll
-        cells = [i for i in range(len(sched.actors)) if not sched._restarting(i)]
+        # asking it would hold the scheduler's loop for the whole timeout at every poll; a cell lost for
+        # good is dead (its failed call would void every poll)
+        cells = [i for i in range(len(sched.actors)) if not sched._restarting(i) and not sched.views[i].lost]
         statuses = ray.get([sched.actors[i].status.remote() for i in cells], timeout=5)
         self.waiting_calls = {
             i: _beyond_slots(s.get("engine", {})) for i, s in zip(cells, statuses, strict=True)

@@ -112,7 +112,7 @@ class SchedulerReattach:
     def _rebook(self, state: JournalState) -> dict[str, int]:
         """Executions the journal knows: ended ones with their outcome, the others reattached."""
         counts = {"ended": 0, "running": 0}
-        live = [i for i, v in enumerate(self.views) if not self._restarting(i)]
+        live = [i for i, v in enumerate(self.views) if not self._restarting(i) and not v.lost]
         for exec_id, cell in sorted(state.launched.items()):
             cell = cell if cell in live else live[0]
             facts = state.launches.get(exec_id, {})  # the launch's time and version (older journals: none)
@@ -159,6 +159,9 @@ class SchedulerReattach:
             for index, actor in enumerate(self.actors):
                 if self._restarting(index):
                     seen.append("restarting")
+                    continue
+                if self.views[index].lost:  # found dead and not restarted (no pool): asked no more
+                    seen.append("lost")
                     continue
                 try:
                     status = ray.get(actor.status.remote(), timeout=60)

@@ -13,12 +13,18 @@ crash, a lost node), as does any other call in flight to that cell. Then `_cell_
 - the executions booked on the cell are re-booked on the other rollout cells (their harnesses keep
   running; the proxy already retries their calls on other cells from the recorded tokens);
 - calls to the cell that were part of a switch, a weight load or the publish stage are dropped;
+- the cell is out of every stage before its work is requeued (a publish that the requeue completes
+  sends nothing to the dead actor: that call's failure would count as a second loss);
 - the cell is restarted (`CellPool.restart`: a new actor under the same name in the same placement
   group bundle, started drained), rebuilds engine and trainer and loads the current weights
-  (`rejoin`), then catches up to a version published meanwhile and is undrained; until then the
-  policy sees it switching to rollout (not ready: no launches, no switches).
+  (`rejoin`), then, still drained, catches up to a version published meanwhile, or being published
+  (as a cell coming back from training does), and is undrained; a publish that begins during that
+  undrain sends it the new version and waits for it. Until then the policy sees it switching to
+  rollout (not ready: no launches, no switches). A restart that fails (its actor dies again, or its
+  rejoin raises, say out of memory) counts as another loss of the cell.
 
-Without a pool, or after `MAX_RESTARTS` failed restarts, the run goes on with fewer cells. The core
+Without a pool, or after `MAX_RESTARTS` failed restarts, the run goes on with fewer cells: the cell
+is `CellPhase.LOST`, which the policy never sees (no capacity, nothing to wait for). The core
 cannot be replaced this way: its death ends the scheduler's run with `CoreLostError`, and the driver
 (`gyre_ray.core_restart`) restarts the run from its newest checkpoint.
 """
@@ -70,7 +76,7 @@ class CellRecovery:
     def _watch_cells(self) -> None:
         watched = {index for index, _ in self.watches.values()}
         for index, actor in enumerate(self.actors):
-            if index not in watched and not self._restarting(index):
+            if index not in watched and not self._restarting(index) and not self.views[index].lost:
                 self.watches[actor.watch.remote()] = (index, actor._actor_id.hex())
 
     def _restarting(self, index: int) -> bool:
@@ -110,11 +116,16 @@ class CellRecovery:
         try:
             ray.get(ref, timeout=0)
         except Exception as exc:
+            why = type(exc).__name__
+            if ref in self.restarts and not is_cell_loss(exc):
+                # the restarted actor's rejoin or catch-up failed (an out-of-memory building its
+                # engine, say): a failed restart, restarted again up to MAX_RESTARTS
+                why = f"{why} (its restart failed)"
             # an import fails with the transfer's own error when the satellite that exported the
             # gradients died before the core fetched them (the object it owned is gone)
-            if not is_cell_loss(exc) and not (ref in self.import_of and self._gone(index)):
+            elif not is_cell_loss(exc) and not (ref in self.import_of and self._gone(index)):
                 raise
-            self._cell_lost(self._dead_cell(exc, index), f"{type(exc).__name__}")
+            self._cell_lost(self._dead_cell(exc, index), why)
             return True
         return False
 
@@ -151,15 +162,20 @@ class CellRecovery:
         retry = None
         for ref in [r for r, s in self.restarts.items() if s.cell == index]:
             retry = self.restarts.pop(ref)  # it died again while rejoining
-        requeued = self._requeue_lost_work(index)
         for ref in [r for r, s in self.switches.items() if s.cell == index]:
             del self.switches[ref]
         for ref in [r for r, i in self.syncs.items() if i == index]:
             del self.syncs[ref]
-        rehosted = migrate_executions(self.ledger, index, self.views) if retry is None else {}
         self.has_grads[index] = False
         view.return_requested = False
-        self.recorder.phase(index, view, CellPhase.TO_ROLLOUT, now)
+        # out of every stage before the requeue: a publish it completes (`_next_stage`) then sends
+        # nothing to the dead actor, whose failure would count as a second loss of the cell
+        restartable = self._can_restart(index)
+        self.recorder.phase(index, view, CellPhase.TO_ROLLOUT if restartable else CellPhase.LOST, now)
+        requeued = self._requeue_lost_work(index)
+        # (a cell that died rejoining hosts nothing, unless nothing could take its executions then)
+        rehost = retry is None or not restartable
+        rehosted = migrate_executions(self.ledger, index, self.views) if rehost else {}
         self.recorder.loads(self, now)
         event = {"cell": view.cell_id, "at_s": round(now, 3), "lost": why, "micro_batches_requeued": requeued,
                  "executions_rehosted": len(rehosted), "batch": self.updates}  # fmt: skip
@@ -204,39 +220,58 @@ class CellRecovery:
                 self._next_stage()
         return len(lost) + len(items)
 
+    def _can_restart(self, index: int) -> bool:
+        return self.pool is not None and self.restart_count.get(index, 0) < MAX_RESTARTS
+
     def _restart(self, index: int, event: dict[str, Any]) -> None:
-        count = self.restart_count.get(index, 0)
-        if self.pool is None or count >= MAX_RESTARTS:
-            event["restarted"] = False  # the run goes on with fewer cells
+        if not self._can_restart(index):
+            event["restarted"] = False  # the run goes on with fewer cells (the cell is LOST)
             return
-        self.restart_count[index] = count + 1
+        self.restart_count[index] = self.restart_count.get(index, 0) + 1
         actor = self.pool.restart(self.ids[index])
         self.actors[index] = actor
         self.watches[actor.watch.remote()] = (index, actor._actor_id.hex())
-        ref = actor.rejoin.remote(self.weights, self.trainer_version)
-        self.restarts[ref] = Switch(index, "restart", self._now(), self.trainer_version, event=event)
+        weights, version = self._serving_version()  # (the one being published, during a publish)
+        ref = actor.rejoin.remote(weights, version)
+        self.restarts[ref] = Switch(index, "restart", self._now(), version, event=event)
         event["restarted"] = True
 
     def _rejoin_done(self, ref: Any) -> None:
+        """A stage of a restart returned: the rejoin (stage 1: engine and trainer built, `version`
+        loaded, still drained) or a catch-up load (stage 2) go on to `_rejoin_catch_up`; the undrain
+        (stage 3) puts the cell back in rollout."""
         switch = self.restarts.pop(ref)
         result = ray.get(ref)
         index = switch.cell
-        actor = self.actors[index]
-        if switch.stage == 1:  # engine and trainer built at the version of the restart's start
-            stale = (result.get("version") or 0) < self.trainer_version
-            switch.stage = 2
-            follow = actor.load_and_undrain.remote(self.weights if stale else None, self.trainer_version)
-            self.restarts[follow] = switch
-            return
-        self.engine_version[index] = result.get("version", self.trainer_version)
+        if switch.stage == 1:
+            self.engine_version[index] = int((result or {}).get("version") or 0)
+            return self._rejoin_catch_up(switch)
+        if switch.stage == 2:
+            loaded = ((result or {}).get("engine") or {}).get("version")
+            self.engine_version[index] = switch.version if loaded is None else int(loaded)
+            return self._rejoin_catch_up(switch)
         now = self._now()
         switch.event.update(rejoined_at_s=round(now, 3), rejoin_s=round(now - switch.since, 3),
                             version=self.engine_version[index])  # fmt: skip
         self.recorder.phase(index, self.views[index], CellPhase.ROLLOUT, now)
         self.recorder.loads(self, now)
-        if self.engine_version[index] < self.trainer_version:  # published during the catch-up
-            self.syncs[actor.update_weights.remote(self.weights, self.trainer_version)] = index
+        # (not expected: a publish sends a cell it finds undraining the version, and waits for it)
+        if self.engine_version[index] < self.trainer_version:
+            self.syncs[self.actors[index].update_weights.remote(self.weights, self.trainer_version)] = index
             self.engine_version[index] = self.trainer_version
+
+    def _rejoin_catch_up(self, switch: Switch) -> None:
+        """A restarted cell, still drained, serves only once it holds the published version or the one
+        being published (`_serving_version`): load it (stage 2, again if a newer one came meanwhile),
+        then undrain (stage 3; a publish that begins during the undrain sends it the new version)."""
+        actor = self.actors[switch.cell]
+        weights, version = self._serving_version()
+        if self.engine_version[switch.cell] < version:
+            switch.stage, switch.version = 2, version
+            self.restarts[actor.update_weights.remote(weights, version)] = switch
+            return
+        switch.stage = 3
+        self.restarts[actor.undrain.remote()] = switch
 
     def _settle_restarts(self) -> None:
         """Wait (bounded) for cells still rejoining, so a run ends with every cell it can have back."""

@@ -47,6 +47,7 @@ from gyre_ray.runtime.runners import (
     RunnerRecovery,
     executor_name,
     least_loaded,
+    register_again,
 )
 from gyre_ray.runtime.stream import MicroBatchStream
 from gyre_ray.runtime.updates import KEEP_MICRO_BATCHES, UpdateStages
@@ -156,7 +157,8 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         self.waiting_starts: list[tuple[RunningExecution, str]] = []  # for an executor to come back
         self.waiting_groups: list[GroupJob] = []  # for `workers` to come back
         for i, view in enumerate(self.views):
-            view.enter(CellPhase.TO_ROLLOUT if self._restarting(i) else CellPhase.ROLLOUT, 0.0)
+            if not view.lost:  # (a cell lost for good in an earlier run on these cells stays out)
+                view.enter(CellPhase.TO_ROLLOUT if self._restarting(i) else CellPhase.ROLLOUT, 0.0)
             view.return_requested = False
         tasks = check_tasks_per_step(cfg)  # the held-out evaluation tasks are never trained on
         self.first_step, self.checkpoint_every = first_step, checkpoint_every
@@ -261,7 +263,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
             if view.role is Role.TRAIN:
                 weights = None if view.is_core else self.weights
                 refs[i] = self.actors[i].switch_to_rollout.remote(weights, self.trainer_version)
-            if not self._restarting(i):
+            if not self._restarting(i) and not view.lost:
                 view.enter(CellPhase.ROLLOUT, self._now())
         lost = False
         for i, ref in refs.items():
@@ -301,7 +303,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         roles = self.policy.initial_roles(len(self.views))
         refs = []
         for i, role in enumerate(roles):
-            if role is Role.TRAIN:
+            if role is Role.TRAIN and not self.views[i].lost:
                 weights = None if i == self.core else self.weights
                 refs.append((i, self.actors[i].switch_to_training.remote(weights, self.trainer_version)))
         for i, ref in refs:
@@ -338,19 +340,17 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
             self._launch(launches)
 
     def _launch(self, launches: list[Launch]) -> None:
-        keys = ray.get(
-            [
-                self.store.register.remote(
-                    self.planned[a.exec_id].execution_id, {"task_id": self.planned[a.exec_id].task.task_id}
-                )
-                for a in launches
-            ],
-            timeout=60,
-        )
+        registered = [
+            self.store.register.remote(
+                self.planned[a.exec_id].execution_id, {"task_id": self.planned[a.exec_id].task.task_id}
+            )
+            for a in launches
+        ]
+        keys = [self._register(a.exec_id, ref) for a, ref in zip(launches, registered, strict=True)]
         now = self._now()
         for action, key in zip(launches, keys, strict=True):
             item = self.planned[action.exec_id]
-            ref, runner = self._start_execution(item, key["api_key"], self._pick_runner())
+            ref, runner = self._start_execution(item, key, self._pick_runner())
             self.running[ref] = RunningExecution(
                 action.exec_id, action.cell_id, now, self.trainer_version, runner
             )
@@ -362,6 +362,23 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
             self.recorder.launched(action.exec_id, now, self.trainer_version)
             self.recorder.ran_on(action.exec_id, executor_name(runner))
         self.recorder.loads(self, now)
+
+    def _register(self, exec_id: int, registered: Any) -> str:
+        """The API key of planned execution `exec_id` from its store `register` call. A scheduler that
+        died between the register and the journaled launch left the id registered (and its harness
+        perhaps started): that id is spent, its key revoked, and the execution launches under the next
+        one (`register_again`, `r1.<id>`, as an execution whose executor died)."""
+        try:
+            return ray.get(registered, timeout=60)["api_key"]
+        except Exception as exc:
+            if "already registered" not in str(exc):
+                raise
+        item = self.planned[exec_id]
+        again, key = register_again(
+            self.store, item.execution_id, {"task_id": item.task.task_id}, executor_name(self._pick_runner())
+        )
+        self.planned[exec_id] = dataclasses.replace(item, execution_id=again)
+        return key
 
     def _pick_runner(self) -> int | None:
         """The runner running the fewest executions, of those not known dead while any is left (None:
@@ -406,7 +423,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
             self.imports.add(self._export(index))
             self.has_grads[index] = False
         demand = len(self.ledger.hosted) + sum(1 for e in self.ledger.pending if self._launchable(e))
-        capacity = sum(v.capacity for v in self.views if v.role is Role.ROLLOUT)
+        capacity = sum(v.capacity for v in self.views if v.role is Role.ROLLOUT and not v.lost)
         self.recorder.phase(index, view, CellPhase.TO_ROLLOUT, now)
         view.return_requested = False
         weights = None if view.is_core else self.weights
@@ -578,10 +595,7 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
         being published: load it (again, if an update was published meanwhile; stage 2), then
         undrain (stage 3)."""
         actor = self.actors[switch.cell]
-        weights, version = self.weights, self.trainer_version
-        update = self.update
-        if update is not None and update.stage == "publish" and update.version > version:
-            weights, version = update.weights, update.version  # serving resumes on the new weights
+        weights, version = self._serving_version()  # (during a publish, the new weights)
         if self.engine_version[switch.cell] < version:
             switch.version = version
             return self._stage_two(switch, actor.update_weights.remote(weights, version))

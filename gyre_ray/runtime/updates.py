@@ -1,8 +1,9 @@
 """The update of a step, stage by stage: `UpdateStages` is a part of `RunScheduler` (a mixin over its
 state, as `CellRecovery` and `SchedulerReattach` are).
 
-When a step's micro-batch stream is complete and none of its micro-batches is still training, the
-update begins (`_maybe_update`) and goes through its stages as their calls return (`_next_stage`):
+When a step's micro-batch stream is complete, none of its micro-batches is still training and the
+core is not switching (its switch checks the version it holds, which the optimizer step would move),
+the update begins (`_maybe_update`) and goes through its stages as their calls return (`_next_stage`):
 - `grads`: every idle training satellite's summed gradients go to the core (with the imports already
   under way);
 - `step`: one optimizer step on the core, scaled 1 / executions (a step with no model-generated token
@@ -40,6 +41,8 @@ class UpdateStages:
         stream = self.streams[batch]
         if not stream.complete or any(m.batch == batch for m in self.micro.values()):
             return
+        if any(s.cell == self.core for s in self.switches.values()):
+            return  # the core's switch holds it to the version it was asked for: the step waits for it
         now = self._now()
         update = Update(batch, "grads", now, stage_since=now)
         for i, view in enumerate(self.views):
@@ -118,11 +121,13 @@ class UpdateStages:
 
     def _publish_to(self, update: Update) -> bool:
         """Send the version in publish to every cell that must hold it and does not: serving engines
-        (a returning cell once its undrain is under way: it serves at the undrain's return) and idle
-        training satellites. A cell whose switch or restart ended during the publish was sent
-        nothing; it is sent the version now, and the version is published only once it holds it
-        too. Returns whether anything was sent (the stage then waits for it)."""
+        (a cell returning from training or from a restart once its undrain is under way: it serves
+        at the undrain's return) and idle training satellites. A cell whose switch or restart ended
+        during the publish was sent nothing; it is sent the version now, and the version is
+        published only once it holds it too. Returns whether anything was sent (the stage then
+        waits for it)."""
         undraining = {s.cell for s in self.switches.values() if s.direction == "to_rollout" and s.stage == 3}
+        undraining |= {s.cell for s in self.restarts.values() if s.stage == 3}  # a restarted cell's undrain
         for i, view in enumerate(self.views):
             if i in update.holds:
                 continue
@@ -142,6 +147,16 @@ class UpdateStages:
             update.refs.add(ref)
             self.ref_cell[ref] = i
         return bool(update.refs)
+
+    def _serving_version(self) -> tuple[Any, int]:
+        """The weights and version a cell must hold before it serves again (a cell coming back from
+        training, a restarted one): the published ones, or those of the update being published (it is
+        published only once every serving cell holds it; a cell undrained on the old version meanwhile
+        would serve it to the next step's executions)."""
+        update = self.update
+        if update is not None and update.stage == "publish" and update.version > self.trainer_version:
+            return update.weights, update.version
+        return self.weights, self.trainer_version
 
     def _refit_duration_prior(self) -> dict[str, Any]:
         """`elastic_duration_prior: auto`: fit the run's ended executions, and the sibling order uses the fit

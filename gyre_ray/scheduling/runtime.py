@@ -47,11 +47,14 @@ class CellPhase(str, Enum):
     TRAIN_IDLE = "train_idle"  # a trainer with nothing claimed
     TRAINING = "training"  # a micro-step in progress
     TO_ROLLOUT = "to_rollout"  # exporting gradients, engine resuming and loading weights
+    LOST = "lost"  # died and not restarted (no pool, or restarted too often): out of the run for good
 
     @property
     def role(self) -> Role:
-        """The role the cell has or is switching to (what the policy sees)."""
-        return Role.ROLLOUT if self in (CellPhase.ROLLOUT, CellPhase.TO_ROLLOUT) else Role.TRAIN
+        """The role the cell has or is switching to (what the policy sees; a lost cell, which the
+        policy never sees, counts as rollout, the role a restarted cell comes back in)."""
+        training = (CellPhase.TO_TRAIN, CellPhase.TRAIN_IDLE, CellPhase.TRAINING)
+        return Role.TRAIN if self in training else Role.ROLLOUT
 
 
 @dataclass
@@ -72,8 +75,13 @@ class CellView:
 
     @property
     def ready(self) -> bool:
-        """Not in the middle of a switch."""
-        return self.phase not in (CellPhase.TO_TRAIN, CellPhase.TO_ROLLOUT)
+        """Not in the middle of a switch (and not lost)."""
+        return self.phase not in (CellPhase.TO_TRAIN, CellPhase.TO_ROLLOUT, CellPhase.LOST)
+
+    @property
+    def lost(self) -> bool:
+        """Out of the run for good (`CellPhase.LOST`): the policy never sees it, nothing is sent to it."""
+        return self.phase is CellPhase.LOST
 
     def enter(self, phase: CellPhase, now: float) -> None:
         self.phase, self.since = phase, now
@@ -152,7 +160,8 @@ def build_state(
     waiting_calls: Mapping[int, int] | None = None,
 ) -> SchedState:
     """The policy's view of the run: `version` updates published, `steps` in all, `queued_micro_batches`
-    of the trainable batch (batch `version`) waiting for a trainer.
+    of the trainable batch (batch `version`) waiting for a trainer. Cells lost for good are left out
+    (no capacity, nothing to wait for); executions still booked on one count as `queued_demand`.
 
     `waiting_calls` (cell index -> model calls its engine holds beyond its decode slots, as last
     polled) feeds `queued_demand` with `queued_demand_of`."""
@@ -161,6 +170,8 @@ def build_state(
         loads[cell] = loads.get(cell, 0) + 1
     states = []
     for c in cells:
+        if c.lost:
+            continue
         switching_until = None
         if not c.ready:
             expected = costs.switch_to_train_s if c.role is Role.TRAIN else costs.switch_to_rollout_s
@@ -228,14 +239,14 @@ def queued_demand_of(
 ) -> float:
     """Demand (executions) the rollout side holds but cannot serve now: what elastic brings cells back for.
 
-    - executions still booked on a cell that is not in the rollout role (nowhere to migrate to; a
-      rollout cell's own executions, even beyond its capacity, are its `load` already);
+    - executions still booked on a cell that is not in the rollout role, or lost for good (nowhere
+      to migrate to; a rollout cell's own executions, even beyond its capacity, are its `load` already);
     - model calls waiting in a ready rollout cell's engine beyond its decode slots, one execution
       each (an agent waits on its call).
     """
     queued = 0.0
     for c in cells:
-        if c.role is not Role.ROLLOUT:
+        if c.role is not Role.ROLLOUT or c.lost:
             queued += loads.get(c.index, 0)
         elif c.ready:
             queued += max(0, int(waiting_calls.get(c.index, 0)))

@@ -157,7 +157,8 @@ class SchedState:
     policy_version: version of the latest published weights (= number of updates done).
     steps_total: updates the run will make; batches are 0 .. steps_total - 1.
     staleness: eta, the bound described in the module docstring.
-    cells: every cell, indexed by cell id.
+    cells: every cell in the run, in cell id order (a backend leaves out the cells it lost for good,
+        so a cell's position need not be its id).
     in_flight: executions running now, by exec id.
     in_flight_by_cell: the same executions grouped by the id of the cell that hosts them.
     pending: executions not launched yet, oldest batch first.
