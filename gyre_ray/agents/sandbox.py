@@ -9,10 +9,12 @@ An execution runs untrusted code (the agent under training, and whatever it writ
   still apply, but another execution's files are then protected only by the path being unknown.
 - **Its own folders**: workspace, HOME and TMPDIR, owned by its uid, mode 0700; ancestors of the
   workspace get `o+x` (traverse, never list) so the uid can reach them. When the execution ends
-  its folders are handed back to the job's uid. Its shared scratch folders (/tmp, /var/tmp,
-  /dev/shm, /run/lock, ...: `scratch_roots`) and SysV IPC are its own: the limits wrapper mounts a
-  private tmpfs over them (one, `agents.max_disk_mb` in size) in a mount and IPC namespace of its own,
-  gone with its last process. Where the host refuses that, what its uid left in those folders and
+  its folders are handed back to the job's uid (closed 0700; each on its own, at any depth and path
+  length). The slot's lock file names each folder before the uid gets it: where the executor died
+  (or a hand-back failed) the slot's next holder hands them back before anything runs as the uid.
+  Its shared scratch folders (/tmp, /var/tmp, /dev/shm, /run/lock, ...: `scratch_roots`) and SysV
+  IPC are its own: the limits wrapper mounts a private tmpfs over them (one, `agents.max_disk_mb` in
+  size) in a mount and IPC namespace of its own, gone with its last process. Where the host refuses that, what its uid left in those folders and
   its SysV IPC objects are removed at reclaim, so the next execution that draws the same uid can
   read none of it.
 - **An environment allowlist** (`harness_env`): PATH, locale, HOME/TMPDIR, the proxy's URLs and the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import grp
+import json
 import logging
 import os
 import pwd
@@ -42,7 +45,7 @@ from pathlib import Path
 
 from gyre_ray.agents import limits as limits_module
 from gyre_ray.agents.config import WORKSPACES_DIR
-from gyre_ray.agents.scratch import allocated, remove_ipc, remove_scratch, tree_entries
+from gyre_ray.agents.scratch import DIR_FLAGS, allocated, remove_ipc, remove_scratch, tree_entries, walk_tree
 
 USER_PREFIX = "gyre-exec-"
 GROUP = "gyre-exec"  # the pool users' shared primary group: may traverse what they need to reach
@@ -149,13 +152,64 @@ def acquire_identity(isolation: str) -> Identity:
             os.close(fd)
             raise
         identity = Identity(entry.pw_uid, entry.pw_gid, entry.pw_name, dedicated=True, lock_fd=fd)
-        kill_all(identity, None)  # anything a crashed earlier holder left behind
-        if os.fstat(fd).st_size:  # marked held, never reclaimed (its job died): remove what it left
-            remove_scratch(identity.uid, gid=identity.gid)
-            remove_ipc(identity.uid)
-        os.pwrite(fd, b"held", 0)  # cleared by `reclaim` once the slot is clean again
+        try:
+            kill_all(identity, None)  # anything a crashed earlier holder left behind
+            # marked held, never reclaimed (its executor died, or its reclaim failed): before anything
+            # runs as the uid, its folders go back to the job and what it left elsewhere is removed
+            if os.fstat(fd).st_size and not _sweep_slot(identity):
+                log.warning("sandbox slot %s: what its last holder left could not all be taken back from %s; "
+                            "skipped (it stays marked for the next holder)", slot, identity.name)  # fmt: skip
+                os.close(fd)
+                continue
+            _mark_held(identity)  # cleared by `reclaim` once the slot is clean again
+        except BaseException:
+            os.close(fd)
+            raise
         return identity
     raise SandboxError("no free sandbox user slot")
+
+
+def _mark_held(identity: Identity) -> None:
+    """Mark the identity's slot held in its lock file, with the paths of the folders given to its uid so
+    far (`prepare_folders` adds each before handing it over): a holder that dies without `reclaim` leaves
+    the next holder the folders to take back. A line "held", then one JSON string per folder."""
+    if identity.lock_fd is None:
+        return
+    lines = [b"held", *(json.dumps(os.path.abspath(folder)).encode() for folder in identity.folders)]
+    record = b"\n".join(lines) + b"\n"
+    os.pwrite(identity.lock_fd, record, 0)  # (written first: cut short, no moment shows the slot clean)
+    os.ftruncate(identity.lock_fd, len(record))
+
+
+def _recorded_folders(fd: int) -> list[Path]:
+    """The folders a slot's lock file names (`_mark_held`); unreadable lines are skipped."""
+    size = os.fstat(fd).st_size
+    folders = []
+    for line in os.pread(fd, min(size, 1 << 20), 0).split(b"\n")[1:]:
+        try:
+            named = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(named, str) and os.path.isabs(named):
+            folders.append(Path(named))
+    return folders
+
+
+def _sweep_slot(identity: Identity) -> bool:
+    """What the slot's last holder, never reclaimed, left to its uid: the folders its lock file names
+    handed back to the job (only what the uid owns there: the path may be another execution's by now),
+    what the uid owns in every shared scratch folder and its SysV IPC objects removed. Whether all went."""
+    assert identity.lock_fd is not None
+    clean = True
+    for folder in _outermost(_recorded_folders(identity.lock_fd)):
+        clean = _hand_back_logged(folder, identity, only_uid=identity.uid) and clean
+    try:
+        remove_scratch(identity.uid, gid=identity.gid)
+        remove_ipc(identity.uid)
+    except Exception as exc:  # (an unexpected error: the slot is not known clean)
+        log.warning("sweeping what %s left failed: %s: %s", identity.name, type(exc).__name__, exc)
+        clean = False
+    return clean
 
 
 def reap_orphans() -> list[str]:
@@ -165,8 +219,10 @@ def reap_orphans() -> list[str]:
     goes with it when that process dies, while its harness, in a session of its own, runs on: its
     calls are refused (its key revoked) but its tools go on using the node. Such a harness is ended
     here (an executor calls this as it starts: after Ray restarts one) rather than when the slot is
-    next drawn. What the holder left in shared scratch folders stays until then (the slot is still
-    marked held), as that walk is slow. Nothing without root, or before the pool exists."""
+    next drawn. What the holder left, its folders (named in the slot's lock file) and in shared scratch
+    folders, stays until then (the slot is still marked held: `acquire_identity` takes it all back
+    before anything runs as the uid), as that walk is slow. Nothing without root, or before the pool
+    exists."""
     if os.geteuid() != 0 or not LOCK_DIR.is_dir():
         return []
     running = _uids_with_processes()
@@ -238,40 +294,117 @@ def grant_runtime(identity: Identity, command: list[str]) -> None:
 
 
 def prepare_folders(identity: Identity, *folders: Path) -> None:
-    """Create `folders` (workspace, HOME, TMPDIR), private to the identity (0700, owned by its uid)."""
+    """Create `folders` (workspace, HOME, TMPDIR), private to the identity (0700, owned by its uid). Each
+    is named in the slot's lock file before its uid gets it (`_mark_held`)."""
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-        if identity.dedicated:
-            grant_traverse(folder, identity.gid)
-            _chown_tree(folder, identity.uid, identity.gid)
-        os.chmod(folder, 0o700)
         identity.folders.append(folder)
+        if identity.dedicated:
+            _mark_held(identity)
+            grant_traverse(folder, identity.gid)
+            if not _chown_tree(folder, identity.uid, identity.gid):
+                raise SandboxError(f"{folder} could not be given to {identity.name} (see the log)")
+        os.chmod(folder, 0o700)
 
 
-def _chown_tree(root: Path, uid: int, gid: int) -> None:
-    os.chown(root, uid, gid, follow_symlinks=False)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            try:
-                os.chown(os.path.join(dirpath, name), uid, gid, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+def _chown_tree(root: Path, uid: int, gid: int, only_uid: int | None = None) -> bool:
+    """Give `root` and everything below it to uid:gid (links themselves, never followed; at any depth and
+    path length: `scratch.walk_tree`); with `only_uid`, only what that uid owns. Goes on past an entry
+    that fails (logged); returns whether all went."""
+    failures: list[OSError] = []
+
+    def wanted(st: os.stat_result) -> bool:
+        return (st.st_uid, st.st_gid) != (uid, gid) and only_uid in (None, st.st_uid)
+
+    try:
+        if wanted(os.lstat(root)):
+            os.chown(root, uid, gid, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        failures.append(exc)
+    for fd, name, st, after in walk_tree(root, failures):
+        if after or not wanted(st):
+            continue
+        try:
+            os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            failures.append(exc)
+    if failures:
+        log.warning("%s: %d entries could not be given to uid %d, the first: %s", root, len(failures), uid,
+                    failures[0])  # fmt: skip
+    return not failures
+
+
+def _outermost(folders: list[Path]) -> list[Path]:
+    """`folders` without those inside another of them (an evaluator's HOME in its `<id>.eval`): handing
+    back the outer one covers them, and never through a folder the uid owned."""
+    kept: list[Path] = []
+    for folder in sorted({Path(os.path.abspath(f)) for f in folders}, key=lambda f: len(f.parts)):
+        if not any(folder.is_relative_to(outer) for outer in kept):
+            kept.append(folder)
+    return kept
+
+
+def _hand_back(folder: Path, identity: Identity, only_uid: int | None = None) -> bool:
+    """One of the execution's folders back to the job's uid (with `only_uid`, what that uid owns in it),
+    closed to everyone else (0700) where it was the execution's (the uid may have opened it: what lies in
+    it, hidden tests copied for the judge included, stays the job's alone). Whether all went."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISDIR(st.st_mode):  # (never: the folders lie in the job's own)
+        if only_uid in (None, st.st_uid):
+            os.chown(folder, os.geteuid(), os.getegid(), follow_symlinks=False)
+        return True
+    done = _chown_tree(folder, os.geteuid(), os.getegid(), only_uid)
+    if only_uid in (None, st.st_uid):
+        fd = os.open(folder, DIR_FLAGS)
+        try:
+            if os.fstat(fd).st_uid == os.geteuid():
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    return done
+
+
+def _hand_back_logged(folder: Path, identity: Identity, only_uid: int | None = None) -> bool:
+    """`_hand_back`, any error logged and taken as not all done."""
+    try:
+        return _hand_back(folder, identity, only_uid)
+    except Exception as exc:
+        log.warning(
+            "%s could not be taken back from %s: %s: %s", folder, identity.name, type(exc).__name__, exc
+        )
+        return False
 
 
 def reclaim(identity: Identity) -> None:
     """After the execution: its folders back to the job's uid, what its uid left in the scratch folders
     its commands shared (those its private tmpfs served are gone with it) and its SysV IPC objects
-    removed, its slot freed."""
+    removed, its slot freed. Never raises for what the execution left: each folder is handed back on its
+    own, past one that fails; where anything failed the slot stays marked held, with its folders named,
+    and the next holder sweeps it all again before anything runs (`acquire_identity`)."""
     try:
         if identity.dedicated:
-            for folder in identity.folders:
-                if folder.exists():
-                    _chown_tree(folder, os.geteuid(), os.getegid())
-            if identity.shared_scratch:  # (walking a busy /tmp took 0.5 s of CPU per execution)
-                remove_scratch(identity.uid, tuple(sorted(identity.shared_scratch)), identity.gid)
-            remove_ipc(identity.uid)
-            if identity.lock_fd is not None:
+            clean = True
+            for folder in _outermost(identity.folders):
+                clean = _hand_back_logged(folder, identity) and clean
+            try:
+                if identity.shared_scratch:  # (walking a busy /tmp took 0.5 s of CPU per execution)
+                    remove_scratch(identity.uid, tuple(sorted(identity.shared_scratch)), identity.gid)
+                remove_ipc(identity.uid)
+            except Exception as exc:
+                log.warning("sweeping what %s left failed: %s: %s", identity.name, type(exc).__name__, exc)
+                clean = False
+            if clean and identity.lock_fd is not None:
                 os.ftruncate(identity.lock_fd, 0)  # clean: the next holder need not search again
+            elif not clean:
+                log.warning("%s: not all it left could be taken back; its slot stays marked for the next "
+                            "holder to sweep", identity.name)  # fmt: skip
     finally:
         identity.release()
 
@@ -522,19 +655,39 @@ def secure_workspace_root(root: Path) -> None:
 
     A Kubernetes emptyDir is created 0777 without the sticky bit: a sandbox uid could then rename the
     run's folder under it and put its own in place (other executions' workspaces, files the job
-    writes and chowns as root). A symbolic link, or a folder someone else owns that others may write
-    to, is refused (SandboxError)."""
+    writes and chowns as root); such a folder of the job's is closed (0711). A sticky folder (/tmp) is
+    left as it is: only an entry's owner may rename it there, and its mode is the machine's. Refused
+    (SandboxError), the job root or not: a symbolic link, a folder owned by anyone but the job or root
+    (its owner may rename the run's folder, and open the folder again after any chmod), and one others
+    may write that is not sticky and not the job's to close."""
     root.mkdir(parents=True, exist_ok=True)
-    st = root.lstat()
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise SandboxError(f"agents.workspace_root {root} must be a folder, not a symbolic link")
-    if st.st_mode & 0o022:
-        if st.st_uid != os.geteuid() and os.geteuid() != 0:
+    try:
+        fd = os.open(root, DIR_FLAGS)  # (what is checked is what is changed: never through a link)
+    except OSError as exc:
+        raise SandboxError(f"agents.workspace_root {root} must be a folder, not a symbolic link") from exc
+    try:
+        _secure_root(root, fd)
+    finally:
+        os.close(fd)
+
+
+def _secure_root(root: Path, fd: int) -> None:
+    """`secure_workspace_root`'s checks on the folder open at `fd`."""
+    st = os.fstat(fd)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise SandboxError(
+            f"agents.workspace_root {root} belongs to uid {st.st_uid}, not to the job (uid {me}): its owner "
+            "could replace the run's folders; give the job a folder of its own"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        if st.st_uid != me:
             raise SandboxError(
-                f"agents.workspace_root {root} is writable by others and not the job's (uid {st.st_uid}): "
-                "sandboxed executions could replace the run's folders; give the job a folder of its own"
+                f"agents.workspace_root {root} is writable by others, not sticky and not the job's "
+                f"(uid {st.st_uid}): sandboxed executions could replace the run's folders; give the job a "
+                "folder of its own"
             )
-        os.chmod(root, 0o711)
+        os.fchmod(fd, 0o711)
 
 
 def protect_job_folders(workspaces: Path, private: tuple[str, ...] = ("records",)) -> None:

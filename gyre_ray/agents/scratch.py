@@ -10,11 +10,12 @@ that is itself a path the command needs (kept shared) and hosts that refuse the 
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import os
-import shutil
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from gyre_ray.agents.limits import PRIVATE_SCRATCH, present_folders
@@ -33,7 +34,7 @@ def remove_scratch(uid: int, roots: tuple[str, ...] | None = None, gid: int | No
     for entry, st in _owned_scratch(uid, scratch_roots() if roots is None else roots, gid):
         try:
             if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                remove_tree(entry.path)  # (any depth: by descriptor, no recursion)
             else:
                 os.unlink(entry.path)
         except OSError:
@@ -70,14 +71,159 @@ def _owned_scratch(uid: int, roots: tuple[str, ...], gid: int | None, skip: tupl
                 continue
 
 
-def tree_entries(folder: str | Path) -> Iterator[os.stat_result]:
-    """The status of every entry below `folder` (links not followed; what vanishes meanwhile is skipped)."""
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in dirnames + filenames:
-            try:
-                yield os.lstat(os.path.join(dirpath, name))
-            except OSError:
+# ---- trees an execution's uid wrote: walked by descriptor, at any depth and any path length ---------
+# (os.walk skips a folder whose path passes PATH_MAX, and, like shutil.rmtree, recurses: on Python 3.11
+# a tree 1000 folders deep raises RecursionError)
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+KEEP_OPEN = 32  # folders this deep and deeper hold no descriptor while below them: reopened through ".."
+RACES = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # gone, or replaced by a file or a link meanwhile
+
+
+@dataclass
+class _Frame:
+    fd: int | None
+    dev: int  # of the folder opened (a folder moved meanwhile is not taken for it)
+    ino: int
+    names: list[str]  # what it holds, not yet given
+    name: str  # its name in its parent
+    status: os.stat_result | None  # as its parent listed it
+
+
+def walk_tree(folder: str | Path, failures: list[OSError]) -> Iterator[tuple[int, str, os.stat_result, bool]]:
+    """Every entry below `folder`, as (descriptor of its folder, name, lstat, after): each entry once with
+    `after` False (a folder before what it holds), and each folder entered once more with `after` True,
+    once all it holds was given (the descriptor then its parent's). Never through a link, at any depth and
+    any path length (every step relative to a descriptor, without recursion; at most KEEP_OPEN + 2
+    descriptors open). `folder` itself is not given, and nothing is when it is missing, not a folder or a
+    link. What vanishes or is replaced meanwhile is skipped; any other error is appended to `failures`
+    and the walk goes on where it can (a folder moved away while walked below ends it). A descriptor is
+    valid only until the next entry is asked for."""
+    try:
+        fd = os.open(folder, DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno not in RACES:
+            failures.append(exc)
+        return
+    stack: list[_Frame] = []
+    try:
+        top = os.fstat(fd)
+        stack.append(_Frame(fd, top.st_dev, top.st_ino, [], "", None))
+        stack[0].names = os.listdir(fd)
+        while stack:
+            frame = stack[-1]
+            assert frame.fd is not None
+            if frame.names:
+                name = frame.names.pop()
+                try:
+                    st = os.stat(name, dir_fd=frame.fd, follow_symlinks=False)
+                except OSError as exc:
+                    if exc.errno not in RACES:
+                        failures.append(exc)
+                    continue
+                yield frame.fd, name, st, False
+                if stat.S_ISDIR(st.st_mode):
+                    child = _enter(frame.fd, name, st, failures)
+                    if child is not None:
+                        if len(stack) >= KEEP_OPEN:
+                            os.close(frame.fd)
+                            frame.fd = None
+                        stack.append(child)
                 continue
+            stack.pop()
+            if not stack:
+                os.close(frame.fd)
+                frame.fd = None
+                break
+            parent = stack[-1]
+            if parent.fd is None:
+                parent.fd = _parent_of(frame.fd, parent, failures)
+            os.close(frame.fd)
+            frame.fd = None
+            if parent.fd is None:
+                return  # (its folder moved: what is above cannot be reached the same way)
+            assert frame.status is not None
+            yield parent.fd, frame.name, frame.status, True
+    except OSError as exc:
+        failures.append(exc)
+    finally:
+        for frame in stack:
+            if frame.fd is not None:
+                os.close(frame.fd)
+
+
+def _enter(parent_fd: int, name: str, status: os.stat_result, failures: list[OSError]) -> _Frame | None:
+    """The folder `name` in `parent_fd` opened and listed (never through a link), or None."""
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno not in RACES:
+            failures.append(exc)
+        return None
+    try:
+        st = os.fstat(fd)
+        return _Frame(fd, st.st_dev, st.st_ino, os.listdir(fd), name, status)
+    except OSError as exc:
+        os.close(fd)
+        failures.append(exc)
+        return None
+
+
+def _parent_of(fd: int, parent: _Frame, failures: list[OSError]) -> int | None:
+    """The folder above `fd` opened again, when it is still `parent` (else None, the error in `failures`)."""
+    try:
+        up = os.open("..", DIR_FLAGS, dir_fd=fd)
+    except OSError as exc:
+        failures.append(exc)
+        return None
+    st = os.fstat(up)
+    if (st.st_dev, st.st_ino) != (parent.dev, parent.ino):
+        os.close(up)
+        failures.append(OSError(errno.ESTALE, "a folder was moved while its tree was walked", parent.name))
+        return None
+    return up
+
+
+def tree_entries(folder: str | Path) -> Iterator[os.stat_result]:
+    """The status of every entry below `folder` (links not followed; what vanishes meanwhile is skipped;
+    at any depth and path length). OSError where part of the tree could not be read: a measure of it
+    would fall short."""
+    failures: list[OSError] = []
+    for _fd, _name, st, after in walk_tree(folder, failures):
+        if failures:
+            break
+        if not after:
+            yield st
+    if failures:
+        raise failures[0]
+
+
+def remove_tree(path: str | Path) -> None:
+    """Remove the folder `path` and all it holds (a link or a file at `path`: itself), never following a
+    link, at any depth and path length; goes on past what it cannot remove, then raises the first error
+    (nothing there is fine)."""
+    failures: list[OSError] = []
+    for fd, name, st, after in walk_tree(path, failures):
+        try:
+            if after:
+                os.rmdir(name, dir_fd=fd)
+            elif not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            failures.append(exc)
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 def allocated(status: os.stat_result, seen: set[tuple[int, int]]) -> int:

@@ -11,6 +11,8 @@ evaluator commands alike.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import signal
 import socket
@@ -37,6 +39,7 @@ from gyre_ray.agents.sandbox import (
 from gyre_ray.agents.scratch import detached_shm_mb, scratch_roots, scratch_usage
 
 POLL_S = 0.2
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,19 +67,35 @@ class _Usage:
     """One measure, (disk MiB, of which memory MiB), over what it gave when the watch began. Taken again
     in a thread of its own, so a slow walk (a busy shared /tmp: 0.5 s and more under load) never holds
     up the other measures or the memory and process checks: often while cheap, rarer where costly (it
-    waits 20 times what the last one took)."""
+    waits 20 times what the last one took). A measure that fails (part of a tree the execution wrote
+    could not be read) counts as over the disk limit (`failed`): what it could not read, it could fill;
+    the watch goes on either way (a thread ended by an error would leave the limit unchecked)."""
 
     def __init__(self, measure: Callable[[], tuple[float, float]]) -> None:
-        self.measure, self.added = measure, (0.0, 0.0)
-        self.baseline = measure()
+        self.measure, self.added, self.failed = measure, (0.0, 0.0), False
+        self.baseline = self._take() or (0.0, 0.0)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="gyre-disk-watch", daemon=True)
+
+    def _take(self) -> tuple[float, float] | None:
+        """One measure, or None when it failed (then `failed`, and `added` is over any disk limit)."""
+        try:
+            measured = self.measure()
+        except Exception as exc:  # (any: RecursionError, OSError, ...)
+            if not self.failed:
+                log.warning("disk use could not be measured: %s: %s", type(exc).__name__, exc)
+            self.failed, self.added = True, (math.inf, self.added[1])
+            return None
+        self.failed = False
+        return measured
 
     def _watch(self) -> None:
         while not self.stopped.is_set():
             start = time.monotonic()
-            disk, ram = self.measure()
-            self.added = (max(0.0, disk - self.baseline[0]), max(0.0, ram - self.baseline[1]))
+            measured = self._take()
+            if measured is not None:
+                disk, ram = measured
+                self.added = (max(0.0, disk - self.baseline[0]), max(0.0, ram - self.baseline[1]))
             self.stopped.wait(max(POLL_S, 20 * (time.monotonic() - start)))
 
 
@@ -125,7 +144,10 @@ class _DiskWatch:
         """The disk limit passed, by the latest measure of each part ('' when not)."""
         self.ram_mb = sum(part.added[1] for part in self.parts)
         used = sum(part.added[0] for part in self.parts)
-        return f"disk limit ({self.limit_mb} MiB)" if self.limit_mb and used > self.limit_mb else ""
+        if not self.limit_mb or used <= self.limit_mb:
+            return ""
+        unmeasured = any(part.failed for part in self.parts)
+        return f"disk limit ({self.limit_mb} MiB)" + (": its use could not be measured" if unmeasured else "")
 
 
 def _read_report(report: socket.socket, timeout_s: float) -> str:

@@ -10,7 +10,6 @@ removing whatever entry had its name.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -69,9 +68,9 @@ def write_fresh(path: Path, text: str, mode: int = 0o644) -> None:
 
 def remove_entries(*paths: Path) -> None:
     """Remove whatever is at `paths` (a file, a link, a FIFO, a folder tree; nothing is fine), never
-    following a link: a link is removed itself, and `shutil.rmtree` works by file descriptor."""
+    following a link (a link is removed itself), at any depth and path length (`remove_tree`: by
+    descriptor, without the recursion of `shutil.rmtree`, which a tree 1,000 folders deep breaks)."""
+    from gyre_ray.agents.scratch import remove_tree
+
     for path in paths:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        remove_tree(path)
