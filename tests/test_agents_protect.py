@@ -173,3 +173,32 @@ def test_with_a_workspace_root_the_run_folder_is_closed(tmp_path: Path) -> None:
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o755  # no sandbox: nothing to close it to
     close_run_folder(load_config(None, [f"agents.workspace_root={tmp_path / 'ws'}"]), run_dir)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 and os.environ.get("CI") != "true", reason="needs root to own files as another uid"
+)
+def test_hidden_tests_someone_else_owns_and_leaves_open_are_refused() -> None:
+    """The job closes only its own folders: another owner's open hidden tests (a bind mount owned by
+    uid 1000, say) were left readable by every execution, silently. A closed parent folder hides them."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="gyre-hidden-", dir="/tmp"))  # (pytest's own tmp is 0700)
+    try:
+        hidden = root / "tasks/hidden/a"
+        hidden.mkdir(parents=True)
+        for folder in (root, root / "tasks", root / "tasks/hidden", hidden):
+            folder.chmod(0o755)
+        os.chown(hidden, 1000, 1000)
+        with pytest.raises(
+            SandboxError, match=r"hidden tests .* readable by the executions' uids \(owned by uid 1000"
+        ):
+            close_hidden_tests([hidden])
+        (root / "tasks").chmod(0o750)  # closed above: nothing of it is reachable
+        assert close_hidden_tests([hidden]) == []
+        (root / "tasks").chmod(0o755)
+        hidden.chmod(0o700)  # closed by its owner
+        assert close_hidden_tests([hidden]) == []
+    finally:
+        shutil.rmtree(root)

@@ -550,6 +550,20 @@ def make_private(path: Path) -> None:
         os.chmod(path, st.st_mode & 0o7700)
 
 
+def _refuse_if_open_to_others(path: Path) -> None:
+    """SandboxError when hidden tests the job does not own (so leaves as they are) can be read by
+    other uids: every folder above them lets others through, and they let others in or list them."""
+    st = path.stat()
+    if st.st_uid == os.geteuid() or not st.st_mode & 0o005:
+        return
+    if all(parent.stat().st_mode & 0o001 for parent in path.resolve().parents):
+        raise SandboxError(
+            f"hidden tests {path} are readable by the executions' uids (owned by uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): the job closes only folders it owns; copy them into a folder "
+            "the job owns, or close them (chmod o-rx)"
+        )
+
+
 def close_hidden_tests(hidden: list[Path]) -> list[Path]:
     """Close every task's hidden tests to the sandbox users (not only the running task's), and the git
     repository they sit in, whose objects hold them too; returns the repositories closed. In a linked
@@ -559,6 +573,7 @@ def close_hidden_tests(hidden: list[Path]) -> list[Path]:
     closed = []
     for path in hidden:
         make_private(path)
+        _refuse_if_open_to_others(path)
         resolved = path.resolve()
         for parent in resolved.parents:
             dotgit = parent / ".git"
