@@ -277,3 +277,37 @@ def test_pipelined_updates_equal_the_single_trainer_reference(batches) -> None:
         moved = float((value - start[key]).norm())
         err = float((weights[key] - value).norm())
         assert err <= 1e-6 * max(moved, 1e-12), f"{key} differs by {err:.3e} (moved {moved:.3e})"
+
+
+def test_gradients_discarded_by_a_restarted_scheduler_never_take_a_late_import(batches) -> None:
+    """A dead scheduler's `import_grads` still fetching its satellite's gradients (outside the core's
+    lock) used to land after the restarted scheduler's `discard_grads`: the core then held
+    micro-batches the new scheduler trains again. `discard_grads` and `settled_version` wait for
+    imports under way."""
+
+    async def scenario() -> None:
+        core, sat = await new_cell(0), await new_cell(1)
+        start = await core.state_dict()
+        await sat.drain()
+        await sat.to_training(start, 0)
+        await sat.train(batches[0])
+        ticket = await sat.export_grads()
+        fetch = core._grads_tx.fetch
+
+        def slow_fetch(t):  # a large gradient ticket, still arriving
+            import time
+
+            time.sleep(0.5)
+            return fetch(t)
+
+        core._grads_tx.fetch = slow_fetch
+        importing = asyncio.ensure_future(core.import_grads(ticket))
+        await asyncio.sleep(0.1)  # the import is fetching, holding no lock
+        assert await core.settled_version() == 0 and importing.done()
+        await core.discard_grads()
+        held = core._trainer().export_grads()
+        assert all(float(g.abs().sum()) == 0 for g in held.values())  # nothing landed after the discard
+        core.close()
+        sat.close()
+
+    asyncio.run(scenario())

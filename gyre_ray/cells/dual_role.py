@@ -106,6 +106,9 @@ class DualRoleCell(RolloutCell, CollectiveHost):
         self._role = ROLLOUT
         self._lock = asyncio.Lock()
         self._trained = 0  # micro-batches trained here since the last export (or optimizer step)
+        self._imports = 0  # gradient imports under way (their fetch runs outside the lock)
+        self._no_imports = asyncio.Event()
+        self._no_imports.set()
         self._peers, self._namespace = peers or [], namespace
         self._set_transports(trainer_factory.transfer_section())
 
@@ -315,10 +318,17 @@ class DualRoleCell(RolloutCell, CollectiveHost):
         """Core: add a satellite's exported gradients (a ticket, or a dict by name); returns how many tensors."""
         self._require_core("import_grads")
         trainer = self._trainer()
-        if isinstance(grads, Ticket):
-            grads = await asyncio.to_thread(self._grads_tx.fetch, grads)
-        async with self._lock:
-            await asyncio.to_thread(trainer.import_grads, grads)
+        self._imports += 1
+        self._no_imports.clear()
+        try:
+            if isinstance(grads, Ticket):
+                grads = await asyncio.to_thread(self._grads_tx.fetch, grads)
+            async with self._lock:
+                await asyncio.to_thread(trainer.import_grads, grads)
+        finally:
+            self._imports -= 1
+            if not self._imports:
+                self._no_imports.set()
         return len(grads)
 
     async def optimizer_step(self, scale: float) -> dict[str, float]:
@@ -354,8 +364,10 @@ class DualRoleCell(RolloutCell, CollectiveHost):
 
     async def discard_grads(self) -> int:
         """Drop the gradients this replica holds (a restarted scheduler trains its step again); returns
-        how many micro-batches they summed."""
+        how many micro-batches they summed. Imports under way (a dead scheduler's, still fetching
+        their gradients) land first: one landing after would add micro-batches trained again."""
         trainer = self._trainer()
+        await self._no_imports.wait()
         async with self._lock:
             trainer.zero_grads()
             dropped, self._trained = self._trained, 0
@@ -367,8 +379,10 @@ class DualRoleCell(RolloutCell, CollectiveHost):
     async def settled_version(self) -> int:
         """The trainer's version once no locked work (an optimizer step, a gradient import) is under
         way: a restarted scheduler reads it, and `trainer_version` would answer mid-step with the
-        version before it (the step would then be taken twice)."""
+        version before it (the step would then be taken twice). Gradient imports under way (whose fetch
+        holds no lock) are waited for too."""
         trainer = self._trainer()
+        await self._no_imports.wait()
         async with self._lock:
             return trainer.version
 
