@@ -408,6 +408,35 @@ def test_concurrent_calls_per_execution_are_bounded(tmp_path):
     assert len(records) == 1
 
 
+def test_an_executions_own_record_reads_take_its_call_slots(tmp_path):
+    """Code an agent left could open any number of whole-trajectory reads with its key, each a full
+    copy in the store actor and the replica: its reads now take one of its call slots (the admin's
+    do not)."""
+    section = ProxySection(max_concurrent_per_execution=1, queue_timeout_s=0.3)
+    lp = asyncio.run(
+        build_local_proxy(CODEC, _factory(token_delay_s=0.05), tmp_path, num_cells=1, section=section)
+    )
+
+    async def body(c, execution_id):
+        own = {"x-api-key": c.anthropic.api_key}
+        path = f"/gyre/executions/{execution_id}/records"
+        call = asyncio.ensure_future(c.http.post(
+            "/v1/messages", json={"model": "m", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]},
+            headers=own,
+        ))  # fmt: skip
+        await asyncio.sleep(0.1)  # the call holds the one slot
+        busy = await c.http.get(path, headers=own)
+        admin = await c.http.get(path, headers={"Authorization": f"Bearer {lp.admin_token}"})
+        await call
+        after = await c.http.get(path, headers=own)
+        return busy, admin, after
+
+    (busy, admin, after), records = scenario(lp, body)
+    assert busy.status_code == 429 and "1 calls in flight" in busy.json()["error"]["message"]
+    assert admin.status_code == 200 and after.status_code == 200
+    assert len(after.text.splitlines()) == len(records) == 1
+
+
 def test_a_call_waiting_for_a_slot_has_its_body_left_unread(tmp_path):
     """The slot is taken before the body is read, so an execution that opens many calls holds at
     most its limit of bodies in the replica's memory (the others wait unread, then 429); count_tokens

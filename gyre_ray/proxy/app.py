@@ -314,7 +314,17 @@ def build_app(service: Any) -> FastAPI:
     @app.get("/gyre/executions/{execution_id}/records")
     async def records(request: Request, execution_id: str) -> Response:
         await require_admin_or_own(request, execution_id)
-        text = await service.records_jsonl(execution_id)
+        if await caller_execution(request) is None:  # the admin: unbounded
+            return PlainTextResponse(
+                await service.records_jsonl(execution_id), media_type="application/x-ndjson"
+            )
+        # an execution's own read takes one of its call slots: code it left cannot open any number of
+        # whole-trajectory reads at once (each a full copy in the store actor and here)
+        slot = await service.acquire_slot(execution_id)
+        try:
+            text = await service.records_jsonl(execution_id)
+        finally:
+            slot.release()
         return PlainTextResponse(text, media_type="application/x-ndjson")
 
     @app.post("/gyre/executions/{execution_id}/close")
