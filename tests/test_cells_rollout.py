@@ -98,3 +98,74 @@ def test_torch_cell_drain_migrates_kv_without_recomputing_the_prefix():
     assert after["prefill_computed_tokens"] == before["prefill_computed_tokens"]
     assert after["imported"] - before["imported"] == 3
     assert after["imported_tokens"] - before["imported_tokens"] >= sum(len(p) for p in prompts)
+
+
+def test_two_drains_at_once_migrate_a_request_once_and_never_abort_it():
+    """An admin drain and the scheduler's switch may overlap: the second drain's export found the
+    request already exported, reset its flag, and the request ended as an abort (its KV dropped, the
+    call cut off). Now the second drain waits for the first's export."""
+    from gyre_ray.engines.testing import small_engine
+
+    async def scenario():
+        cell = RolloutCell("c0", lambda: small_engine())
+        await cell.setup()
+        request = GenerateRequest(
+            "r1", list(range(1, 20)), SamplingParams(temperature=0.0, max_new_tokens=900)
+        )
+        events, started = [], asyncio.Event()
+
+        async def consume():
+            async for event in cell.generate(request, session="s"):
+                events.append(event)
+                if isinstance(event, TokenBatch) and not started.is_set():
+                    started.set()
+                    await asyncio.sleep(0.3)  # a busy reader: both drains finish before it reads on
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        moved = await asyncio.gather(cell.drain(), cell.drain())
+        await task
+        cell.close()
+        return moved, events[-1]
+
+    moved, last = asyncio.run(scenario())
+    assert sorted(moved) == [0, 1] and isinstance(last, Migrated), (moved, last)
+
+
+def test_a_drain_during_a_session_prefix_import_refuses_the_request():
+    """A drain that began while a request awaited its session's KV import missed it (the import runs
+    before the request is in flight): it then ran to the end on the drained cell, unmigrated."""
+    import time
+
+    from gyre_ray.engines.testing import small_engine
+    from gyre_ray.transfer import Ticket
+
+    async def scenario():
+        cell = RolloutCell("c0", lambda: small_engine(prefix_cache_tokens=4096))
+        await cell.setup()
+
+        def slow_fetch(_ticket):
+            time.sleep(0.3)
+            raise RuntimeError("the sender is slow, then gone")
+
+        cell._transport(cell.transfer.kv).fetch = slow_fetch
+        request = GenerateRequest(
+            "r1", list(range(1, 20)), SamplingParams(temperature=0.0, max_new_tokens=300)
+        )
+        events = []
+
+        async def consume():
+            async for event in cell.generate(
+                request, session="s", prefix=Ticket("object_store", "kv", "c1", None, 0)
+            ):
+                events.append(event)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)  # importing
+        moved = await cell.drain()
+        await task
+        cell.close()
+        return moved, events
+
+    moved, events = asyncio.run(scenario())
+    assert moved == 0 and len(events) == 1 and isinstance(events[0], Refused), events

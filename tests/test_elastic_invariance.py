@@ -311,3 +311,26 @@ def test_gradients_discarded_by_a_restarted_scheduler_never_take_a_late_import(b
         sat.close()
 
     asyncio.run(scenario())
+
+
+def test_two_publishes_of_one_version_stage_it_once(batches) -> None:
+    """A restarted scheduler may ask the core to publish while the dead one's publish of the same
+    version is still staging: both passed the "already published" check and the version was
+    staged twice (releasing the one before it early), or the second raised "published after"."""
+
+    async def scenario() -> None:
+        core = await new_cell(0)
+        publish = core._publisher.publish
+
+        def slow_publish(state, version):
+            import time
+
+            time.sleep(0.3)
+            return publish(state, version)
+
+        core._publisher.publish = slow_publish
+        first, second = await asyncio.gather(core.publish_weights(), core.publish_weights())
+        assert first is second and [t.version for t in core._publisher._live] == [0]
+        core.close()
+
+    asyncio.run(scenario())

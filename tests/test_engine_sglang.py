@@ -608,6 +608,22 @@ def test_a_started_server_is_waited_for_and_stopped_with_its_folders(tmp_path: P
     server.stop()  # twice is fine
 
 
+def test_the_server_reports_log_probs_under_the_policy_not_its_temperature() -> None:
+    """SGLang reports log(softmax(logits / T)) unless SGLANG_RETURN_ORIGINAL_LOGPROB is set: every
+    behaviour log-prob of a call at a temperature other than 0 and 1 was then the wrong policy's (the
+    GSPO ratio and the reported KL off). The server now starts with it set, on its bundle's GPUs."""
+    import sys
+
+    probe = "import os; print(os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB'), os.environ['CUDA_VISIBLE_DEVICES'])"
+    server = SGLangServer([sys.executable, "-c", probe], "http://127.0.0.1:9", ["3", "5"], "cell-9", [])
+    server.start()
+    try:
+        assert server.process is not None and server.process.wait(timeout=60) == 0
+        assert server.log_tail().strip().splitlines()[-1] == "1 3,5"
+    finally:
+        server.stop()
+
+
 def test_a_server_that_dies_while_starting_is_reported_with_its_log() -> None:
     import sys
 

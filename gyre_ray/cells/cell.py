@@ -156,6 +156,9 @@ class RolloutCell:
             return
         if prefix is not None:
             await self._import_session(prefix)
+            if self.draining:  # a drain began meanwhile: its snapshot of the requests here missed this one
+                yield Refused(f"cell {self.cell_id} is draining")
+                return
         context = list(request.input_ids)
         serve = self._serve(request.rid, lambda: self._engine().stream(request), session, context)
         async for event in serve:
@@ -300,6 +303,9 @@ class RolloutCell:
             self.session_counters["import_failures"] += 1
 
     async def _export(self, flight: _InFlight) -> int:
+        if flight.exporting or flight.state is not None:  # another drain is exporting it (or did)
+            await flight.exported.wait()
+            return 0
         flight.exporting = True
         try:
             flight.state = await self._engine().export_kv(flight.rid)

@@ -105,6 +105,7 @@ class DualRoleCell(RolloutCell, CollectiveHost):
         self.is_core = is_core  # the runtime says which cell is the core
         self._role = ROLLOUT
         self._lock = asyncio.Lock()
+        self._publishing = asyncio.Lock()  # one `publish_weights` at a time (check, stage, push)
         self._trained = 0  # micro-batches trained here since the last export (or optimizer step)
         self._imports = 0  # gradient imports under way (their fetch runs outside the lock)
         self._no_imports = asyncio.Event()
@@ -349,18 +350,20 @@ class DualRoleCell(RolloutCell, CollectiveHost):
     async def publish_weights(self) -> Ticket:
         """Core: stage the authoritative weights at the trainer's version; the ticket is what cells load.
 
-        A version publishes once: asked again (a restarted scheduler), the core returns its ticket."""
+        A version publishes once: asked again (a restarted scheduler), the core returns its ticket, and
+        one asked while the same version is being staged waits for that publish (`_publishing`)."""
         self._require_core("publish_weights")
         trainer = self._trainer()
-        async with self._lock:
-            last = self._publisher.last
-            if last is not None and last.version == trainer.version:
-                return last
-            state = await asyncio.to_thread(trainer.state_dict)
-            version = trainer.version
-        ticket = await asyncio.to_thread(self._publisher.publish, state, version)
-        await asyncio.to_thread(self._weights_tx.push, ticket)  # collectives: the broadcast; else a no-op
-        return ticket
+        async with self._publishing:  # staging and pushing run outside `_lock`: one publish at a time
+            async with self._lock:
+                last = self._publisher.last
+                if last is not None and last.version == trainer.version:
+                    return last
+                state = await asyncio.to_thread(trainer.state_dict)
+                version = trainer.version
+            ticket = await asyncio.to_thread(self._publisher.publish, state, version)
+            await asyncio.to_thread(self._weights_tx.push, ticket)  # collectives: the broadcast; else a no-op
+            return ticket
 
     async def discard_grads(self) -> int:
         """Drop the gradients this replica holds (a restarted scheduler trains its step again); returns

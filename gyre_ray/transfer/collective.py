@@ -142,6 +142,8 @@ class CollectiveTransport(Transport):
         if seq not in self._staged:
             raise TransferError(f"{self.owner}: staged payload #{seq} was released")
         buffer, ticket = self._staged[seq]
+        if ticket.address["mode"] != "broadcast":  # a pulled payload (gradients): the object store has it
+            self._staged.pop(seq)  # now (a copy), and nothing else releases it: it would stay for good
         return self._object_store.restage(buffer, ticket)
 
     def release(self, ticket: Ticket) -> None:

@@ -36,6 +36,11 @@ import httpx
 from gyre_ray.engines.config import SGLangOptions
 from gyre_ray.engines.sglang.client import SGLangServerError
 
+# SGLang reports log(softmax(logits / temperature)) unless told otherwise; the loss needs the behaviour
+# policy's own log-probs (what the trainer computes, and what the torch engine records). The name
+# has been SGLANG_RETURN_ORIGINAL_LOGPROB since 2025 (RETURN_ORIGINAL_LOGPROB before).
+ORIGINAL_LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "RETURN_ORIGINAL_LOGPROB": "1"}
+
 
 class SGLangUnavailableError(NotImplementedError):
     """SGLang cannot run here: the package is missing or no CUDA GPU is visible (what `gyre-ray generate`
@@ -149,8 +154,9 @@ class SGLangServer:
         self.log_path = Path(tempfile.mkstemp(prefix=f"sglang-{cell_id}-", suffix=".log")[1])
 
     def start(self) -> None:
-        """Start the process (its own process group) with CUDA_VISIBLE_DEVICES = the bundle's GPUs."""
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(self.gpu_ids))
+        """Start the process (its own process group) with CUDA_VISIBLE_DEVICES = the bundle's GPUs, and
+        SGLang told to report each token's log-prob under the policy itself (`ORIGINAL_LOGPROB_ENV`)."""
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(self.gpu_ids), **ORIGINAL_LOGPROB_ENV)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
