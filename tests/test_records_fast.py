@@ -82,8 +82,17 @@ def test_to_json_and_to_dict_do_not_deep_copy_the_token_lists(monkeypatch) -> No
         record(meta={"x": object()}).to_json()
 
 
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float range: not a finite number either
+        return False
+
+
 def _reference_validate(self: CallRecord, vocab_size: int | None = None) -> None:
-    """The item-by-item checks `validate` made before its fast path (the messages must stay these)."""
+    """The item-by-item checks `validate` made before its fast path (the messages must stay these),
+    with an id past 32 bits refused without a vocabulary too, and an int logprob past float range
+    a RecordError (both raised OverflowError deeper down before 2026-12-07)."""
     where = f"record {self.execution_id!r}/{self.call_id!r}"
     for name in ("input_ids", "output_ids"):
         for i, tok in enumerate(getattr(self, name)):
@@ -93,8 +102,10 @@ def _reference_validate(self: CallRecord, vocab_size: int | None = None) -> None
                 raise RecordError(
                     f"{where}: {name}[{i}] = {tok} is outside the vocabulary (vocab_size {vocab_size})"
                 )
+            if tok > 2**32 - 1:
+                raise RecordError(f"{where}: {name}[{i}] = {tok} is beyond any vocabulary (over 2**32 - 1)")
     for i, lp in enumerate(self.output_logprobs):
-        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not math.isfinite(lp):
+        if not isinstance(lp, (int, float)) or isinstance(lp, bool) or not _finite(lp):
             raise RecordError(f"{where}: output_logprobs[{i}] = {lp!r} is not a finite number")
         if lp > LOGPROB_TOLERANCE:
             raise RecordError(f"{where}: output_logprobs[{i}] = {lp} is a log-probability above 0")
@@ -110,7 +121,7 @@ class _Tok(enum.IntEnum):
 def _outcome(fn, *args) -> tuple[type, str] | None:
     try:
         fn(*args)
-    except Exception as exc:  # the type matters too: a huge int raised OverflowError, and still does
+    except Exception as exc:  # the type matters too
         return type(exc), str(exc)
     return None
 
