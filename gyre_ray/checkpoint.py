@@ -80,7 +80,7 @@ def save(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    _prune(root, keep)
+    _prune(root, keep, final)
     return final
 
 
@@ -199,10 +199,16 @@ def newest_good(run_dir: str | Path, warn: Callable[[str], Any] | None = None) -
     return saved, step
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, saved: Path) -> None:
+    """Remove crashed saves, and all but the newest `keep` checkpoints up to `saved` (the one just
+    written). Checkpoints past it (of a step beyond the one a resume started from: damaged, or a
+    dead segment's) neither count toward `keep` nor go: counted, the one just written could be the
+    one pruned, leaving nothing good to resume from."""
     for stale in root.glob(".step-*.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)  # a crashed save: never complete, never resumed from
     if keep <= 0:
         return
-    for old in complete_checkpoints(root.parent)[:-keep]:
+    complete = complete_checkpoints(root.parent)
+    upto = complete[: complete.index(saved) + 1] if saved in complete else complete
+    for old in upto[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

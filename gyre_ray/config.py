@@ -168,6 +168,15 @@ class GyreConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _warm_up_only_with_the_toy_harness(self) -> GyreConfig:
+        if self.warmup.steps > 0 and self.agents.harness != "toy":
+            raise ValueError(
+                f"warmup.steps={self.warmup.steps} trains on the toy harness's transcripts, but "
+                f"agents.harness={self.agents.harness}: set warmup.steps=0 (or agents.harness=toy)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _a_gpu_per_megatron_rank(self) -> GyreConfig:
         ranks, gpus = self.trainer.megatron_ranks, self.cells.gpus_per_cell
         if self.trainer.backend == "megatron" and ranks > 1 and 0 < gpus < ranks:  # (one rank: in-process)

@@ -78,8 +78,10 @@ def _eval_command(args: argparse.Namespace) -> int:
         out = Path(args.out or runs_root(cfg.run.run_dir) / f"eval-{stamp}")
     _check_outputs(out, args.json)  # before the round, which takes a while
     from gyre_ray.agents.harnesses import check_harness_here
+    from gyre_ray.evaluation import split_tasks
 
     check_harness_here(cfg.agents)
+    split_tasks(with_held_out_split(cfg))  # a held-out split that cannot be made fails here
     try:
         check_hf_folder(model_dir)
     except (OSError, ValueError) as exc:
@@ -116,6 +118,11 @@ def _check_outputs(out: Path, json_path: str | None) -> None:
             raise ConfigError(f"--json {target}: its folder {target.parent} does not exist")
 
 
+def with_held_out_split(cfg: GyreConfig) -> GyreConfig:
+    """`cfg` evaluating as `run.eval_every` does (a held-out split either way)."""
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"eval_every": cfg.run.eval_every or 1})})
+
+
 def evaluate(
     cfg: GyreConfig, model_dir: str | Path, out: str | Path, step: int = 0, execute: Any = None
 ) -> dict[str, Any]:
@@ -127,9 +134,9 @@ def evaluate(
 
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    run = cfg.run.model_copy(update={"eval_every": cfg.run.eval_every or 1})  # a held-out split either way
+    cfg = with_held_out_split(cfg)
     cfg = cfg.model_copy(
-        update={"run": run, "model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())})}
+        update={"model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())})}
     )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
     try:

@@ -149,6 +149,14 @@ def refuse_if_alive(cfg: GyreConfig, run_dir: Path) -> None:
     info = read(run_dir)
     if info is None:
         return
+    recorded = info.get("ray_address") or ""
+    if recorded and recorded != "local" and not persistent_cluster():
+        # it ran on a cluster this process does not join: whether it lives there cannot be told from
+        # here, and a local resume beside a live run would write into its folder with it
+        raise ConfigError(
+            f"the run in {run_dir} ran on the Ray cluster at {recorded} (live-run.json): resume it with "
+            f"RAY_ADDRESS={recorded} set, or `gyre-ray train --attach {run_dir}` there"
+        )
     if persistent_cluster():
         started = connect_ray(cfg)
         alive = _named(SCHEDULER_NAME, info["namespace"]) is not None

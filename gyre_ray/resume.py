@@ -15,7 +15,6 @@ When the run ends, its trace, spans and switch events are merged after those of 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -27,6 +26,7 @@ from gyre_ray.checkpoint import STATE_FILE, complete_checkpoints
 from gyre_ray.evaluation import EVAL_FILE
 from gyre_ray.observability.metrics import WANDB_PENDING_FILE
 from gyre_ray.proxy.store_files import json_lines, json_object
+from gyre_ray.run_folder import replace_jsonl
 from gyre_ray.runtime.journal import JournalState, RunJournal
 from gyre_ray.runtime.recorder import trace_row
 from gyre_ray.runtime.runners import executor_name
@@ -37,12 +37,6 @@ _EVAL_ID = re.compile(r"^eval-?(\d+)")  # eval<step>-<task>-<i> records, eval-<s
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return list(json_lines(path))  # up to a line torn by the killed segment
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
 
 
 def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
@@ -86,20 +80,20 @@ def prepare_resume(run_dir: str | Path, first_step: int) -> dict[str, Any]:
         rows = [r for r in _read_jsonl(run_dir / name) if r["step"] > last_kept]  # moved aside
         if rows:
             aside.mkdir(parents=True, exist_ok=True)
-            _write_jsonl(aside / name, rows)
+            replace_jsonl(aside / name, rows)
             set_aside_rows += len(rows)
     recovered_trace = lost_trace_rows(
         run_dir, first_step, kept_trace, journal
     )  # reads metrics.jsonl as it was
     if (run_dir / "trace.jsonl").is_file() or recovered_trace:  # (a later attempt's ids are the same)
-        _write_jsonl(run_dir / "trace.jsonl", sorted(kept_trace + recovered_trace, key=lambda r: r["start"]))
+        replace_jsonl(run_dir / "trace.jsonl", sorted(kept_trace + recovered_trace, key=lambda r: r["start"]))
     if metrics.is_file() or recovered:
-        _write_jsonl(metrics, sorted(kept + recovered, key=lambda r: r["step"]))
+        replace_jsonl(metrics, sorted(kept + recovered, key=lambda r: r["step"]))
     if recovered:  # the resumed run's metrics logger sends them to wandb, which never had them
         pending = [r for r in _read_jsonl(run_dir / WANDB_PENDING_FILE) if r["step"] < first_step]
-        _write_jsonl(run_dir / WANDB_PENDING_FILE, sorted(pending + recovered, key=lambda r: r["step"]))
+        replace_jsonl(run_dir / WANDB_PENDING_FILE, sorted(pending + recovered, key=lambda r: r["step"]))
     if (run_dir / EVAL_FILE).is_file():
-        _write_jsonl(run_dir / EVAL_FILE, kept_eval)
+        replace_jsonl(run_dir / EVAL_FILE, kept_eval)
     return {
         "moved": moved,
         "rows_set_aside": set_aside_rows,

@@ -5,7 +5,9 @@ that holds runs, a folder of call records), so that they all agree and can say w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from gyre_ray.checkpoint import CHECKPOINTS
 from gyre_ray.proxy.store_files import json_object
@@ -42,3 +44,16 @@ def is_run_folder(folder: Path) -> bool:
     if (folder / CHECKPOINTS).is_dir() or any((folder / name).is_file() for name in JOB_FILES):
         return True
     return config is not None and isinstance(config.get("run"), dict)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all (a temporary file beside it, then renamed over it): a
+    job killed mid-write (`ray job stop`'s SIGKILL follows its SIGTERM after 3 s) leaves the old file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def replace_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """`replace_text` of one JSON object per line."""
+    replace_text(path, "".join(json.dumps(row) + "\n" for row in rows))

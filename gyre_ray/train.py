@@ -30,6 +30,7 @@ from gyre_ray.evaluation import check_tasks_per_step, format_eval, read_eval, re
 from gyre_ray.observability.metrics import trend_window
 from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
 from gyre_ray.resume_checks import check_checkpoint_model, check_resume_settings, keep_config
+from gyre_ray.run_folder import replace_text
 from gyre_ray.runtime.report import recovery_lines
 
 
@@ -110,6 +111,19 @@ def runs_root(run_dir: str, cwd: Path | None = None) -> Path:
     return (cwd / path).resolve()
 
 
+def creatable_runs_root(cfg: GyreConfig) -> Path:
+    """`runs_root`, made now (before any slow work): ConfigError naming `run.run_dir` when it cannot be
+    (a file on the way, no permission), instead of a traceback after the warm-up."""
+    from gyre_ray.config import ConfigError
+
+    root = runs_root(cfg.run.run_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"run.run_dir={cfg.run.run_dir!r}: cannot make {root}: {exc.strerror}") from None
+    return root
+
+
 def new_run_dir(cfg: GyreConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = runs_root(cfg.run.run_dir) / f"{cfg.run.name}-{stamp}-{os.getpid()}"
@@ -165,9 +179,8 @@ def train(
         # an impossible split or step, or a harness not installed here, fails before the warm-up
         check_tasks_per_step(cfg)
         check_harness_here(cfg.agents)
-        # the warm-up (a no-op when it is off), cached in the runs folder: a resumed run's own parent
-        root = resumed.parent if resumed is not None else runs_root(cfg.run.run_dir)
-        cfg = prepare_policy(cfg, root)
+        if resumed is None:  # a resumed run's config holds its prepared policy (its checkpoint, the weights)
+            cfg = prepare_policy(cfg, creatable_runs_root(cfg))  # the warm-up (a no-op when off), cached
     if resumed is not None:
         run_dir = resumed
         check_checkpoint_model(cfg, checkpoint)
@@ -410,7 +423,7 @@ def _run_segment(
             "faults": result.get("faults", []),  # cells lost, groups processed again (docs/faults.md)
             "runner_losses": result.get("runner_losses", []),  # executions started again
         }
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        replace_text(run_dir / "summary.json", json.dumps(summary, indent=2))
         report = _write_report(run_dir)
         logger.finish_run(summary, report)
     finally:

@@ -70,6 +70,20 @@ def test_save_keeps_only_the_newest(tmp_path: Path) -> None:
     assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
 
 
+def test_a_save_after_a_skipped_damaged_checkpoint_keeps_itself(tmp_path: Path) -> None:
+    """A resume skipped a damaged step 15 and went on from 10: the next save (step 11, keep 1) counted
+    step 15 as the newest and pruned itself, leaving nothing good to resume from. Checkpoints past
+    the one just written now neither count nor go."""
+    checkpoint.save(tmp_path, 10, _write_loadable, {}, keep=0)
+    damaged = checkpoint.save(tmp_path, 15, _write_loadable, {}, keep=0)
+    state = damaged / checkpoint.TRAINER_DIR / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:10])  # cut short
+    assert checkpoint.latest_good(tmp_path).name == "step-000010"
+    saved = checkpoint.save(tmp_path, 11, _write_loadable, {}, keep=1)
+    assert saved.is_dir() and checkpoint.latest_good(tmp_path) == saved
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-000011", "step-000015"]
+
+
 def test_require_latest_says_why_there_is_nothing_to_resume(tmp_path: Path) -> None:
     with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint"):
         checkpoint.require_latest(tmp_path)

@@ -20,6 +20,16 @@ from gyre_ray.model.qwen3 import Qwen3ForCausalLM, init_weights
 from gyre_ray.model.tokenizer import Tokenizer
 
 
+@pytest.fixture
+def no_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up (a minute of supervised steps) fails the test: the input must be refused first."""
+
+    def warm_up(*_: object) -> None:
+        raise AssertionError("the warm-up ran before the input was checked")
+
+    monkeypatch.setattr("gyre_ray.warmup.sft.prepare_policy", warm_up)
+
+
 def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -132,14 +142,10 @@ def test_a_reader_that_stops_early_gets_no_traceback(monkeypatch: pytest.MonkeyP
 
 
 def test_a_step_needing_more_tasks_than_the_set_has_is_refused_before_the_warm_up(
-    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture, tmp_path: Path, no_warm_up: None
 ) -> None:
     """It used to be found after the warm-up's minute of supervised steps."""
 
-    def warm_up(*_: object) -> None:
-        raise AssertionError("the warm-up ran before the config was checked")
-
-    monkeypatch.setattr("gyre_ray.warmup.sft.prepare_policy", warm_up)
     code, out, err = run(
         capsys, "train", "--config", "jobs/configs/learn.yaml", "run.tasks_per_step=4", "run.eval_every=1",
         f"run.run_dir={tmp_path}",
@@ -153,16 +159,13 @@ def test_a_step_needing_more_tasks_than_the_set_has_is_refused_before_the_warm_u
 def test_a_harness_not_installed_here_is_refused_up_front(
     capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str,
     checkpointed_run: Path,
+    no_warm_up: None,
 ) -> None:  # fmt: skip
     """A local run whose Claude Code is missing used to drop every execution for it (a whole step
     later); with no runner actors its executions run here, so the command says so at once."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("gyre_ray.agents.harnesses.claude_binary", lambda: None)
 
-    def warm_up(*_: object) -> None:
-        raise AssertionError("the warm-up ran before the harness was checked")
-
-    monkeypatch.setattr("gyre_ray.warmup.sft.prepare_policy", warm_up)
     argv = ["agents.harness=claude-code", f"run.run_dir={tmp_path / 'runs'}"]
     if command == "eval":
         argv = ["--run", str(checkpointed_run), "--out", str(tmp_path / "out"), *argv[:1]]
@@ -176,3 +179,37 @@ def test_a_harness_not_installed_here_is_refused_up_front(
     from gyre_ray.config import load_config
 
     check_harness_here(load_config(None, ["agents.harness=claude-code"]).agents)
+
+
+def test_a_run_dir_that_cannot_be_made_is_refused_before_the_warm_up(
+    capsys: pytest.CaptureFixture, tmp_path: Path, no_warm_up: None
+) -> None:
+    """It failed with a traceback after the warm-up's minute, when the warm-up saved its cache."""
+
+    (tmp_path / "afile").write_text("")
+    code, out, err = run(
+        capsys, "train", "--config", "jobs/configs/learn.yaml", f"run.run_dir={tmp_path}/afile/sub"
+    )
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        f"gyre-ray train: run.run_dir='{tmp_path}/afile/sub': cannot make {tmp_path}/afile/sub: Not a directory"
+    )
+
+
+def test_eval_and_serve_check_their_input_before_ray_starts(
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, checkpointed_run: Path
+) -> None:
+    """An impossible held-out split (eval) and a missing model folder (serve) were found only once
+    Ray, the store and the cells had started."""
+
+    def no_ray(*_: object, **__: object) -> None:
+        raise AssertionError("Ray started before the input was checked")
+
+    monkeypatch.setattr("gyre_ray.runtime.cluster.Runtime.start", no_ray)
+    monkeypatch.setattr("gyre_ray.proxy.launch.start_proxy", no_ray)
+    code, out, err = run(
+        capsys, "eval", "--run", str(checkpointed_run), "--out", str(tmp_path / "o"), "run.eval_holdout=50"
+    )
+    assert code == 2 and out == "" and "holding out run.eval_holdout=50 would leave none to train on" in err
+    code, out, err = run(capsys, "serve", f"model.path={tmp_path / 'nowhere'}")
+    assert code == 2 and out == "" and err.startswith("gyre-ray serve: model.path: ")

@@ -170,6 +170,21 @@ def test_resume_without_a_cluster_drops_a_stale_live_file(
     assert live_run.read(tmp_path) is None
 
 
+def test_resume_without_a_cluster_refuses_a_run_that_ran_on_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its live-run.json was deleted as stale, though the run may live on there: the local resume
+    then wrote into the folder beside the cluster's scheduler."""
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    live_run.record(tmp_path, _fake_runtime(), None, [])
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(
+        ConfigError, match="ran on the Ray cluster at 10.0.0.5:6379 .*RAY_ADDRESS=10.0.0.5:6379"
+    ):
+        live_run.refuse_if_alive(load_config("jobs/configs/toy.yaml"), tmp_path)
+    assert live_run.read(tmp_path) is not None  # kept
+
+
 def test_attach_on_the_command_line_takes_no_overrides(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["train", "--attach", str(tmp_path), "run.steps=4"]) == 2
     assert "--attach takes the live run as it is" in capsys.readouterr().err

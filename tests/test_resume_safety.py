@@ -350,7 +350,8 @@ def test_recovered_rows_reach_wandb_once_when_the_resumed_run_starts(tmp_path: P
 def test_a_folder_without_a_checkpoint_fails_before_the_warm_up(
     tmp_path: Path, no_ray: list, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """The warm-up (48 s for the default job) ran first, and cached itself under the working folder."""
+    """The warm-up (48 s for the default job) ran first, and cached itself under the working folder;
+    and a resume that goes ahead runs none."""
     import gyre_ray.warmup.sft as sft
 
     warmed: list[Path] = []
@@ -364,4 +365,6 @@ def test_a_folder_without_a_checkpoint_fails_before_the_warm_up(
     resumable = _run_folder(tmp_path / "other")
     with pytest.raises(RuntimeError, match="restore failed"):
         train(resume_config(resumable, ["run.steps=3"]), resume=resumable)
-    assert warmed == [resumable.parent]  # the warm-up's cache goes next to the run, wherever it runs from
+    # no warm-up again: the run's config.json holds the policy it prepared (model.path), the checkpoint
+    # its weights (a resume used to train a fresh warm-up each time: its cache key never matched)
+    assert warmed == []

@@ -70,3 +70,23 @@ def test_the_job_file_names_are_the_ones_the_job_writes() -> None:
 def test_job_files_lists_config_first(tmp_path: Path) -> None:
     folder = _folder(tmp_path, {"summary.json": "{}", "config.json": "{}", "trace.jsonl": ""})
     assert job_files(folder) == ["config.json", "trace.jsonl", "summary.json"]
+
+
+def test_a_run_file_is_replaced_whole_or_not_at_all(tmp_path: Path, monkeypatch) -> None:
+    """trace.jsonl (which after a resume holds the earlier segments' rows too), costs.json and
+    summary.json were rewritten in place: a job killed mid-write left them short for good."""
+    from gyre_ray.run_folder import replace_jsonl
+
+    path = tmp_path / "trace.jsonl"
+    replace_jsonl(path, [{"exec_id": "a"}, {"exec_id": "b"}])
+    before = path.read_text()
+
+    def killed(self, *_args, **_kwargs):  # the write dies half-way
+        Path.write_bytes(self, b'{"exec_id": "c"}\n{"ex')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        replace_jsonl(path, [{"exec_id": "a"}, {"exec_id": "b"}, {"exec_id": "c"}])
+    monkeypatch.undo()
+    assert path.read_text() == before and before.count("\n") == 2

@@ -106,6 +106,9 @@ def test_prepare_policy_trains_once_then_reuses(tmp_path: Path, capsys: pytest.C
 def test_warmup_off_or_on_a_foreign_harness() -> None:
     cfg = load_config(None, [])
     assert prepare_policy(cfg, Path("/nonexistent")) is cfg
-    bad = load_config(None, ["warmup.steps=1", "agents.harness=claude-code"])
-    with pytest.raises(ValueError, match="agents.harness=toy"):
-        prepare_policy(bad, Path("/nonexistent"))
+    # refused with the config (`gyre-ray config` too), not after Ray and the cells started
+    with pytest.raises(
+        ValueError,
+        match="warmup.steps=1 trains on the toy harness's transcripts, but agents.harness=claude-code",
+    ):
+        load_config(None, ["warmup.steps=1", "agents.harness=claude-code"])

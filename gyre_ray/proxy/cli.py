@@ -30,6 +30,10 @@ def _serve(args: argparse.Namespace) -> int:
     from gyre_ray.proxy.launch import describe, start_proxy
 
     config = load_config(args.config, args.overrides)
+    if not args.scripted:  # a missing or torn model folder fails here, not in every cell
+        from gyre_ray.train import check_model_path
+
+        check_model_path(config)
     factory = ScriptedEngineFactory() if args.scripted else None
     handle = start_proxy(config, factory)
     stop = threading.Event()

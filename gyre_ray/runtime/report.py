@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gyre_ray.run_folder import replace_jsonl, replace_text
 from gyre_ray.runtime.runners import executor_name
 from gyre_ray.sim.replay import COST_NUMBERS, INT_KEYS
 
@@ -69,9 +70,7 @@ def overlap_seconds(a: Iterable[tuple[float, float]], b: Iterable[tuple[float, f
 def write_trace(run_dir: Path, rows: list[dict[str, Any]]) -> Path:
     """`RUN_DIR/trace.jsonl`, one execution per line, in launch order."""
     path = Path(run_dir) / "trace.jsonl"
-    with open(path, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
+    replace_jsonl(path, rows)  # whole: after a resume it holds the earlier segments' rows too
     return path
 
 
@@ -81,7 +80,7 @@ def write_costs(run_dir: Path, costs: Mapping[str, Any]) -> Path:
     if missing:
         raise KeyError(f"costs.json needs {', '.join(missing)}")
     path = Path(run_dir) / "costs.json"
-    path.write_text(json.dumps({k: costs[k] for k in COST_KEYS}, indent=2))
+    replace_text(path, json.dumps({k: costs[k] for k in COST_KEYS}, indent=2))
     return path
 
 

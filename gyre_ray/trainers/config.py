@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gyre_ray.configbase import Section
 
@@ -17,7 +17,7 @@ class TrainerSection(Section):
         1e-5, ge=0, description="AdamW learning rate (0: the loop runs, the weights stay; a control run)."
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables it.")
     tensor_parallel_size: int = Field(
@@ -62,6 +62,13 @@ class TrainerSection(Section):
     def megatron_ranks(self) -> int:
         """Processes one Megatron trainer replica runs on: tensor parallel x context parallel."""
         return self.tensor_parallel_size * self.context_parallel_size
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError("each AdamW beta must be in [0, 1)")
+        return betas
 
     @model_validator(mode="after")
     def _context_parallel_needs_megatron(self) -> TrainerSection:
