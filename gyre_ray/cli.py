@@ -38,7 +38,8 @@ def _config_command(args: argparse.Namespace) -> int:
     return 0
 
 
-ONCE_OPTIONS = ("--config",)  # options a second occurrence of is refused (argparse keeps the last)
+# options a second occurrence of is refused (argparse keeps the last: `--resume A --resume B` resumed B)
+ONCE_OPTIONS = ("--config", "--resume", "--attach", "--run", "--model-dir", "--out")
 
 
 class _StoreOnce(argparse._StoreAction):

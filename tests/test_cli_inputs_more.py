@@ -145,6 +145,8 @@ def test_eval_honours_a_records_dir_it_is_given(
         ["eval", "--model-dir", "m", "--config", "a.yaml", "--conf", "b.yaml"],
         ["generate", "--prompt", "hi", "--config", "a.yaml", "--config", "b.yaml"],
         ["simulate", "--config", "a.yaml", "--config", "b.yaml"],
+        ["train", "--resume", "a.yaml", "--resume", "b.yaml"],
+        ["eval", "--run", "a.yaml", "--run", "b.yaml"],
     ],
 )
 def test_config_given_twice_is_refused(
@@ -153,8 +155,9 @@ def test_config_given_twice_is_refused(
     monkeypatch.chdir(tmp_path)  # neither file exists: nothing can start
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
+    option = "--config" if "conf" in argv[-2] else argv[-2]  # also --resume, --run: the first was dropped
     assert err.strip() == (
-        f"gyre-ray {argv[0]}: --config given twice (a.yaml, then b.yaml): give it once (a second one "
+        f"gyre-ray {argv[0]}: {option} given twice (a.yaml, then b.yaml): give it once (a second one "
         "would replace the first, not add to it)"
     )
 
