@@ -123,6 +123,16 @@ def test_generate_says_when_weights_are_untrained_and_takes_a_runs_checkpoint(
         capsys, "generate", "--prompt", "hi", "--run", str(checkpointed_run), "--model-dir", "x"
     )
     assert code == 2 and "not both" in err
+    # a folder named as YAML would read otherwise (`null`: no folder; " #": a comment) is that folder
+    import shutil
+
+    odd = checkpointed_run.parent / "null #copy"
+    shutil.copytree(trainer, odd)
+    code, out, err = run(
+        capsys, "generate", "--prompt", "hi", "--max-new-tokens", "3", "--seed", "1", "--temperature", "0",
+        "--json", "--model-dir", str(odd),
+    )  # fmt: skip
+    assert code == 0 and "randomly initialised" not in err and json.loads(out) == json.loads(same), err
 
 
 def test_a_reader_that_stops_early_gets_no_traceback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,9 +38,11 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _policy_overrides(args: argparse.Namespace) -> list[str]:
+def _policy_path(args: argparse.Namespace) -> str | None:
     """`model.path` for --run (its newest good checkpoint's trainer folder, as `eval --run` takes it: a
-    damaged newer one is skipped with a warning on stderr) or --model-dir."""
+    damaged newer one is skipped with a warning on stderr) or --model-dir; None for neither. Set on
+    the config as it is, not as a `key=value` override (whose value YAML reads: a folder named `null`
+    was no folder, one with " #" in its name was cut there)."""
     from gyre_ray.checkpoint import CheckpointError, newest_good, trainer_dir
     from gyre_ray.cli_inputs import refuse_model_path_clash, warn_on_stderr
     from gyre_ray.config import ConfigError
@@ -52,17 +54,23 @@ def _policy_overrides(args: argparse.Namespace) -> list[str]:
         refuse_model_path_clash(given, args.overrides, args.config)
     if args.run:
         try:
-            return [f"model.path={trainer_dir(newest_good(args.run, warn=warn_on_stderr)[0])}"]
+            return str(trainer_dir(newest_good(args.run, warn=warn_on_stderr)[0]))
         except CheckpointError as exc:
             raise ConfigError(f"--run {args.run}: {exc}") from None
-    return [f"model.path={args.model_dir}"] if args.model_dir else []
+    return args.model_dir or None
 
 
 def _generate_command(args: argparse.Namespace) -> int:
     from gyre_ray.cli_inputs import run_folder_hint
-    from gyre_ray.config import load_config
+    from gyre_ray.config import load_config, validate_config
 
-    config = load_config(args.config, list(args.overrides) + _policy_overrides(args))
+    config = load_config(args.config, list(args.overrides))
+    path = _policy_path(args)
+    if path is not None:
+        data = config.model_dump(mode="json")
+        config = validate_config(
+            {**data, "model": {**data["model"], "path": path}}, "the config + --run/--model-dir"
+        )
     if config.model.path and (hint := run_folder_hint(Path(config.model.path))):
         return _fail(f"{'--model-dir' if args.model_dir else 'model.path'} {hint}")
     if not args.prompt.strip():
