@@ -477,7 +477,9 @@ def test_a_call_waiting_for_a_slot_has_its_body_left_unread(tmp_path):
 
 
 def test_a_call_past_request_timeout_is_aborted_with_a_408(tmp_path):
-    section = ProxySection(request_timeout_s=0.3)
+    # 1 s: the first tokens (50 ms each) arrive before it even on a loaded machine (at 0.3 s a CI run
+    # once timed out still waiting for them: a 408 with nothing generated, so nothing recorded)
+    section = ProxySection(request_timeout_s=1.0)
     lp = asyncio.run(
         build_local_proxy(CODEC, _factory(token_delay_s=0.05), tmp_path, num_cells=1, section=section)
     )
