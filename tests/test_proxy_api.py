@@ -477,12 +477,12 @@ def test_a_call_waiting_for_a_slot_has_its_body_left_unread(tmp_path):
 
 
 def test_a_call_past_request_timeout_is_aborted_with_a_408(tmp_path):
-    # 1 s: the first tokens (50 ms each) arrive before it even on a loaded machine (at 0.3 s a CI run
-    # once timed out still waiting for them: a 408 with nothing generated, so nothing recorded)
+    # 1 s into a 100-token reply (5 s): the first tokens (50 ms each) arrive before it even on a loaded
+    # machine (at 0.3 s a CI run once timed out still waiting for them: a 408 with nothing generated,
+    # so nothing recorded)
     section = ProxySection(request_timeout_s=1.0)
-    lp = asyncio.run(
-        build_local_proxy(CODEC, _factory(token_delay_s=0.05), tmp_path, num_cells=1, section=section)
-    )
+    factory = _factory(token_delay_s=0.05, reply_length=100)
+    lp = asyncio.run(build_local_proxy(CODEC, factory, tmp_path, num_cells=1, section=section))
 
     async def body(c, _):
         return await c.http.post(
