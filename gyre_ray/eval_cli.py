@@ -78,10 +78,8 @@ def _eval_command(args: argparse.Namespace) -> int:
         out = Path(args.out or runs_root(cfg.run.run_dir) / f"eval-{stamp}")
     _check_outputs(out, args.json)  # before the round, which takes a while
     from gyre_ray.agents.harnesses import check_harness_here
-    from gyre_ray.evaluation import split_tasks
 
     check_harness_here(cfg.agents)
-    split_tasks(with_held_out_split(cfg))  # a held-out split that cannot be made fails here
     try:
         check_hf_folder(model_dir)
     except (OSError, ValueError) as exc:
@@ -118,26 +116,22 @@ def _check_outputs(out: Path, json_path: str | None) -> None:
             raise ConfigError(f"--json {target}: its folder {target.parent} does not exist")
 
 
-def with_held_out_split(cfg: GyreConfig) -> GyreConfig:
-    """`cfg` evaluating as `run.eval_every` does (a held-out split either way)."""
-    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"eval_every": cfg.run.eval_every or 1})})
-
-
 def evaluate(
     cfg: GyreConfig, model_dir: str | Path, out: str | Path, step: int = 0, execute: Any = None
 ) -> dict[str, Any]:
     """One evaluation round of the policy in `model_dir` (after `step` updates); returns its row. Its
     executions' workspaces go under `out`, their call records to `cfg.proxy.records_dir` (the command
     sets `<out>/records` there unless told another folder)."""
-    from gyre_ray.evaluation import EvalRunner
+    from gyre_ray.evaluation import EvalRunner, split_tasks
     from gyre_ray.runtime.cluster import Runtime
 
+    run = cfg.run.model_copy(update={"eval_every": cfg.run.eval_every or 1})  # a held-out split either way
+    cfg = cfg.model_copy(
+        update={"run": run, "model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())})}
+    )
+    split_tasks(cfg)  # a held-out split that cannot be made fails here, before Ray starts
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    cfg = with_held_out_split(cfg)
-    cfg = cfg.model_copy(
-        update={"model": cfg.model.model_copy(update={"path": str(Path(model_dir).resolve())})}
-    )
     runtime = Runtime.start(cfg, dual_role=False, app_name="gyre-eval")
     try:
         # the runners where set: the agents' nodes, as in training

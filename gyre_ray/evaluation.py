@@ -363,18 +363,12 @@ class EvalRunner:
         own (through the proxy where given: the replica also forgets their caches and the cells their
         sessions; else in the store): records on file, keys revoked. Finishing one twice changes
         nothing. A failure is a warning: an evaluation is an observation, training goes on."""
-        import ray
+        from gyre_ray.runtime.groups import finish_executions
 
-        from gyre_ray.runtime.groups import finish_through_proxy
-
-        ids = rnd.execution_ids()
         try:
-            if not ids:
-                pass
-            elif self.proxy is not None:
-                finish_through_proxy(self.proxy, ids)
-            else:
-                ray.get([self.store.finish_execution.remote(eid) for eid in ids], timeout=60)
+            finish_executions(
+                self.store, self.proxy, rnd.execution_ids(), timeout_s=60
+            )  # (in the driver's poll)
         except Exception as exc:  # noqa: BLE001 - reported, the round's row (if any) is already written
             print(f"gyre-ray: warning: the executions of the evaluation round after step {rnd.step} were "
                   f"not finished (their keys may stay valid): {exc}", file=sys.stderr, flush=True)  # fmt: skip

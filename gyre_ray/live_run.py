@@ -26,6 +26,7 @@ from typing import Any
 
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.proxy.store_files import json_lines
+from gyre_ray.run_folder import replace_jsonl
 
 LIVE_FILE = "live-run.json"
 
@@ -175,7 +176,7 @@ def logged_steps(run_dir: Path, first_step: int) -> int:
     path = run_dir / "metrics.jsonl"
     rows = list(json_lines(path))
     if path.is_file():
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        replace_jsonl(path, rows)
     return sum(1 for row in rows if int(row["step"]) >= first_step)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from gyre_ray.checkpoint import trainer_dir
 from gyre_ray.config import GyreConfig
 from gyre_ray.proxy.store_files import json_object
+from gyre_ray.run_folder import replace_text
 
 # What a resume may not change: the weights and optimizer state are the checkpoint's (architecture,
 # dtype), and step S's tasks are `plan_step`'s pick from S x run.tasks_per_step of agents.task_set.
@@ -109,6 +110,4 @@ def keep_config(run_dir: Path, text: str) -> None:
     if old:
         k = 1 + sum(1 for _ in run_dir.glob("config.segment-*.json"))
         (run_dir / f"config.segment-{k}.json").write_text(old)
-    tmp = path.with_name("config.json.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    replace_text(path, text)

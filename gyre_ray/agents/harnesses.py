@@ -66,15 +66,19 @@ def codex_binary() -> str | None:
 def harness_missing(harness: str) -> str | None:
     """Why `harness` cannot start on this machine (Claude Code or Codex not installed, or its
     `*_BIN` variable naming no executable), else None."""
-    finders = {"claude-code": ("Claude Code", claude_binary), "codex": ("Codex", codex_binary)}
+    finders = {"claude-code": claude_binary, "codex": codex_binary}
     if harness not in finders:
         return None
-    name, find = finders[harness]
     try:
-        found = find()
+        found = finders[harness]()
     except FileNotFoundError as exc:
         return str(exc)
-    return None if found else f"{name} is not installed; run: make install-harnesses"
+    return None if found else _not_installed(harness)
+
+
+def _not_installed(harness: str) -> str:
+    name = {"claude-code": "Claude Code", "codex": "Codex"}[harness]
+    return f"{name} is not installed; run: make install-harnesses"
 
 
 def check_harness_here(agents: Any) -> None:
@@ -151,13 +155,13 @@ def build_harness(
     if harness == "claude-code":
         claude = claude_binary()
         if claude is None:
-            raise FileNotFoundError(harness_missing(harness))
+            raise FileNotFoundError(_not_installed(harness))
         env = {"IS_SANDBOX": "1"} if as_root else {}
         return HarnessSpec([claude, "-p", prompt, "--dangerously-skip-permissions", *extra], env)
     if harness == "codex":
         codex = codex_binary()
         if codex is None:
-            raise FileNotFoundError(harness_missing(harness))
+            raise FileNotFoundError(_not_installed(harness))
         command = [codex, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", *extra, prompt]
         return HarnessSpec(command, {}, {".codex/config.toml": codex_config(openai_url)})
     if harness == "command":

@@ -200,11 +200,20 @@ def _sweep_slot(identity: Identity) -> bool:
     handed back to the job (only what the uid owns there: the path may be another execution's by now),
     what the uid owns in every shared scratch folder and its SysV IPC objects removed. Whether all went."""
     assert identity.lock_fd is not None
+    return _take_back(identity, _recorded_folders(identity.lock_fd), None, only_uid=identity.uid)
+
+
+def _take_back(
+    identity: Identity, folders: list[Path], roots: tuple[str, ...] | None, only_uid: int | None = None
+) -> bool:
+    """`folders` handed back (each on its own, past one that fails), what `identity`'s uid owns in the
+    scratch `roots` (None: all; (): none) and its SysV IPC objects removed; whether all went."""
     clean = True
-    for folder in _outermost(_recorded_folders(identity.lock_fd)):
-        clean = _hand_back_logged(folder, identity, only_uid=identity.uid) and clean
+    for folder in _outermost(folders):
+        clean = _hand_back_logged(folder, identity, only_uid) and clean
     try:
-        remove_scratch(identity.uid, gid=identity.gid)
+        if roots != ():
+            remove_scratch(identity.uid, roots, identity.gid)
         remove_ipc(identity.uid)
     except Exception as exc:  # (an unexpected error: the slot is not known clean)
         log.warning("sweeping what %s left failed: %s: %s", identity.name, type(exc).__name__, exc)
@@ -348,7 +357,7 @@ def _outermost(folders: list[Path]) -> list[Path]:
     return kept
 
 
-def _hand_back(folder: Path, identity: Identity, only_uid: int | None = None) -> bool:
+def _hand_back(folder: Path, only_uid: int | None = None) -> bool:
     """One of the execution's folders back to the job's uid (with `only_uid`, what that uid owns in it),
     closed to everyone else (0700) where it was the execution's (the uid may have opened it: what lies in
     it, hidden tests copied for the judge included, stays the job's alone). Whether all went."""
@@ -374,7 +383,7 @@ def _hand_back(folder: Path, identity: Identity, only_uid: int | None = None) ->
 def _hand_back_logged(folder: Path, identity: Identity, only_uid: int | None = None) -> bool:
     """`_hand_back`, any error logged and taken as not all done."""
     try:
-        return _hand_back(folder, identity, only_uid)
+        return _hand_back(folder, only_uid)
     except Exception as exc:
         log.warning(
             "%s could not be taken back from %s: %s: %s", folder, identity.name, type(exc).__name__, exc
@@ -390,16 +399,8 @@ def reclaim(identity: Identity) -> None:
     and the next holder sweeps it all again before anything runs (`acquire_identity`)."""
     try:
         if identity.dedicated:
-            clean = True
-            for folder in _outermost(identity.folders):
-                clean = _hand_back_logged(folder, identity) and clean
-            try:
-                if identity.shared_scratch:  # (walking a busy /tmp took 0.5 s of CPU per execution)
-                    remove_scratch(identity.uid, tuple(sorted(identity.shared_scratch)), identity.gid)
-                remove_ipc(identity.uid)
-            except Exception as exc:
-                log.warning("sweeping what %s left failed: %s: %s", identity.name, type(exc).__name__, exc)
-                clean = False
+            # only the scratch folders its commands shared (walking a busy /tmp took 0.5 s of CPU)
+            clean = _take_back(identity, identity.folders, tuple(sorted(identity.shared_scratch)))
             if clean and identity.lock_fd is not None:
                 os.ftruncate(identity.lock_fd, 0)  # clean: the next holder need not search again
             elif not clean:

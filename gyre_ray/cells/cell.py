@@ -156,9 +156,6 @@ class RolloutCell:
             return
         if prefix is not None:
             await self._import_session(prefix)
-            if self.draining:  # a drain began meanwhile: its snapshot of the requests here missed this one
-                yield Refused(f"cell {self.cell_id} is draining")
-                return
         context = list(request.input_ids)
         serve = self._serve(request.rid, lambda: self._engine().stream(request), session, context)
         async for event in serve:
@@ -328,6 +325,10 @@ class RolloutCell:
         """Stream one request; when it ends here, `context` (prompt + outputs) becomes `session`'s last."""
         if rid in self._inflight:
             yield Failed("input", f"request id {rid!r} is already in flight on cell {self.cell_id}")
+            return
+        if self.draining:  # checked with no await before the request is in flight: a drain that began
+            # meanwhile (during a session's prefix import, say) snapshots `_inflight` without it
+            yield Refused(f"cell {self.cell_id} is draining")
             return
         flight = _InFlight(rid, asyncio.Queue(), session=session)
         self._inflight[rid] = flight

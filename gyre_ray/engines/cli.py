@@ -62,15 +62,12 @@ def _policy_path(args: argparse.Namespace) -> str | None:
 
 def _generate_command(args: argparse.Namespace) -> int:
     from gyre_ray.cli_inputs import run_folder_hint
-    from gyre_ray.config import load_config, validate_config
+    from gyre_ray.config import load_config
 
     config = load_config(args.config, list(args.overrides))
     path = _policy_path(args)
     if path is not None:
-        data = config.model_dump(mode="json")
-        config = validate_config(
-            {**data, "model": {**data["model"], "path": path}}, "the config + --run/--model-dir"
-        )
+        config = config.model_copy(update={"model": config.model.model_copy(update={"path": path})})
     if config.model.path and (hint := run_folder_hint(Path(config.model.path))):
         return _fail(f"{'--model-dir' if args.model_dir else 'model.path'} {hint}")
     if not args.prompt.strip():

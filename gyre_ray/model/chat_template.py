@@ -16,10 +16,11 @@ training both rely on that. `assets/chat_template.jinja` is the same format for 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from gyre_ray.json_values import finite_float, reject_constant
 
 if TYPE_CHECKING:
     from gyre_ray.model.tokenizer import Tokenizer
@@ -240,21 +241,10 @@ def encode_chat(
 
 
 # ----------------------------------------------------------------------------- parsing
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
-
-
-def _not_a_number(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def _strict_json(raw: str) -> Any:
     """`json.loads` refusing NaN, Infinity and numbers out of float range (a tool call's arguments
     are echoed back to the client as JSON, which cannot hold them)."""
-    return json.loads(raw, parse_constant=_not_a_number, parse_float=_finite)
+    return json.loads(raw, parse_constant=reject_constant, parse_float=finite_float)
 
 
 def _parse_call(raw: str) -> tuple[ToolCall | None, str | None]:

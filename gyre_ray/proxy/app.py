@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from gyre_ray.json_values import finite_float, reject_constant
 from gyre_ray.proxy import anthropic_api, openai_api, responses_api
 from gyre_ray.proxy.clients import CellUnavailable
 from gyre_ray.proxy.errors import ApiError, error_body, flavor_for_path
@@ -111,27 +111,21 @@ def _parse_json(body: bytes) -> Any:
             400, f"the request body is not UTF-8 text (byte {exc.start} cannot be decoded)"
         ) from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=reject_constant, parse_float=finite_float)
     except RecursionError:
         raise ApiError(400, "malformed JSON: nested too deeply") from None
     except ValueError as exc:
         if "digits" in str(exc):  # Python's int-size guard; its message talks about sys
             raise ApiError(400, "malformed JSON: a number has more than 4300 digits") from None
         raise ApiError(400, f"malformed JSON: {exc}") from None
-    _reject_deep_nesting(value)
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # (fewer cannot nest that deep)
+        _reject_deep_nesting(value)
     if _SURROGATE_ESCAPE.search(text):  # only an escape can put a surrogate in the decoded text
         _reject_lone_surrogates(value)
     return value
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ApiError(400, f"malformed JSON: the number {text[:40]} is out of range")
-    return value
 
 
 def _reject_deep_nesting(value: Any) -> None:
@@ -165,10 +159,6 @@ def _reject_lone_surrogates(value: Any) -> None:
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def build_app(service: Any) -> FastAPI:
@@ -301,10 +291,12 @@ def build_app(service: Any) -> FastAPI:
         created = await service.register_execution(execution_id, metadata)
         return JSONResponse(created, status_code=201)
 
-    async def require_admin_or_own(request: Request, execution_id: str) -> None:
+    async def require_admin_or_own(request: Request, execution_id: str) -> str | None:
+        """The caller's execution (None: the admin); 403 for another execution's key."""
         own = await caller_execution(request)
         if own is not None and own != execution_id:
             raise ApiError(403, "an execution's key may read or close only its own execution")
+        return own
 
     @app.get("/gyre/executions/{execution_id}")
     async def execution(request: Request, execution_id: str) -> Response:
@@ -313,8 +305,7 @@ def build_app(service: Any) -> FastAPI:
 
     @app.get("/gyre/executions/{execution_id}/records")
     async def records(request: Request, execution_id: str) -> Response:
-        await require_admin_or_own(request, execution_id)
-        if await caller_execution(request) is None:  # the admin: unbounded
+        if await require_admin_or_own(request, execution_id) is None:  # the admin: unbounded
             return PlainTextResponse(
                 await service.records_jsonl(execution_id), media_type="application/x-ndjson"
             )

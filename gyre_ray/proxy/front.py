@@ -157,15 +157,10 @@ def sse(
         except ApiError as exc:
             await asyncio.shield(gen.abandon("failed"))
             yield error_event(exc)
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
         except Exception:
             log.exception("proxy stream failed")
             yield error_event(ApiError(500, "internal error while streaming; the call was aborted"))
-        finally:
-            slot.release()
-            if gen.outcome is None:
-                await asyncio.shield(gen.abandon())
+        # (the slot and an unfinished call are settled by `_RecordedStream`, however the response ends)
 
     stream = body()
     slot.bind(stream)

@@ -83,6 +83,21 @@ def finish_through_proxy(proxy: dict[str, str], execution_ids: list[str]) -> dic
     return paths
 
 
+def finish_executions(
+    store: Any, proxy: dict[str, str] | None, execution_ids: list[str], timeout_s: float = 300.0
+) -> dict[str, str]:
+    """Finish each execution (`finish_through_proxy` where `proxy` is given, else in the store, waited
+    for up to `timeout_s`); returns each one's records file."""
+    import ray
+
+    if not execution_ids:
+        return {}
+    if proxy is not None:
+        return finish_through_proxy(proxy, execution_ids)
+    paths = ray.get([store.finish_execution.remote(e) for e in execution_ids], timeout=timeout_s)
+    return dict(zip(execution_ids, paths, strict=True))
+
+
 def read_complete_file(path: str, expected: int) -> list[CallRecord] | None:
     """The records of a finished execution's file when this process sees it whole (`expected` records),
     else None (no such file here: another node; or not the store's file)."""
@@ -126,20 +141,13 @@ def process_group(
     With `proxy` ({"base_url", "admin_token"}) the executions are finished through it first;
     without, directly in the store.
     """
-    import ray
 
     from gyre_ray.config import GyreConfig
     from gyre_ray.trajectory.pipeline import training_batches_with_stats
 
     cfg = GyreConfig.model_validate(cfg_json)
     decode, vocab_size = model_decoder(cfg_json["model"])
-    ids = [o["execution_id"] for o in outcomes]
-    if proxy is not None:
-        paths = finish_through_proxy(proxy, ids)
-    else:
-        paths = dict(
-            zip(ids, ray.get([store.finish_execution.remote(e) for e in ids], timeout=300), strict=True)
-        )
+    paths = finish_executions(store, proxy, [o["execution_id"] for o in outcomes])
     all_records, _ = finished_records(store, paths)
     valid = {o["execution_id"]: o for o in outcomes if o["valid"]}
     records = {e: all_records[e] for e in valid}

@@ -55,7 +55,7 @@ class LiveMetrics:
     def _gauges(self, sched: Any) -> None:
         roles = {"rollout": 0, "train": 0, "switching": 0}
         for view in sched.views:
-            if view.phase is CellPhase.LOST:  # out of the run: no role
+            if view.lost:  # out of the run: no role
                 continue
             if view.phase in _SWITCHING:
                 roles["switching"] += 1

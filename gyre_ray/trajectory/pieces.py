@@ -31,15 +31,15 @@ def split_long(sample: Sample, max_tokens: int) -> list[Sample]:
     further at branch points whose shared prefix holds no loss token (module docstring)."""
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    tree = _Segments(sample)
     tops = [k for k, (_, _, parent) in enumerate(sample.segments) if parent < 0]
     if len(tops) <= 1 and (not max_tokens or sample.num_tokens <= max_tokens):
         return [sample]
+    tree = _Segments(sample)
     cuts: list[tuple[list[int], int]] = []  # (prefix segments, body segment) per piece, in order
     for top in tops:
         tree.cut([], top, max_tokens, cuts)
     return [
-        _piece(sample, tree, prefix, body, index if len(tops) > 1 or len(cuts) > 1 else None)
+        _piece(sample, tree, prefix, body, index if len(cuts) > 1 else None)
         for index, (prefix, body) in enumerate(cuts)
     ]
 

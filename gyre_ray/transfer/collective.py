@@ -158,20 +158,22 @@ class CollectiveTransport(Transport):
                 return self._read(ticket, buffer)
             return self._fallback(ticket, "not received by broadcast")
         handle = self._handle(ticket)
-        buffer = self._buffer(ticket.nbytes)
-        op = {"mode": "send", "world": 2, "sender": ticket.sender, "seq": address["seq"], "nbytes": ticket.nbytes,
-              "what": ticket.describe()}  # fmt: skip
         try:
             ready = ray.get(handle.collective_ready.remote(), timeout=min(READY_S, self.section.timeout_s))
-            if ready:
-                refs, failed = self._run_with(op, buffer, 0, {ticket.sender: (handle, 1)})
-                if failed is not None:
-                    raise failed
-                ray.get(refs[ticket.sender], timeout=self.section.timeout_s)
         except Exception as exc:
             return self._fallback(ticket, _reason(exc), handle)
         if not ready:  # (a sender that cannot join would leave this end waiting out the rendezvous)
             return self._fallback(ticket, f"{ticket.sender} {CANNOT_JOIN}", handle)
+        buffer = self._buffer(ticket.nbytes)
+        op = {"mode": "send", "world": 2, "sender": ticket.sender, "seq": address["seq"], "nbytes": ticket.nbytes,
+              "what": ticket.describe()}  # fmt: skip
+        try:
+            refs, failed = self._run_with(op, buffer, 0, {ticket.sender: (handle, 1)})
+            if failed is not None:
+                raise failed
+            ray.get(refs[ticket.sender], timeout=self.section.timeout_s)
+        except Exception as exc:
+            return self._fallback(ticket, _reason(exc), handle)
         return self._read(ticket, buffer)
 
     def join_op(self, op: dict[str, Any]) -> dict[str, Any]:

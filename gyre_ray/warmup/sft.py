@@ -186,8 +186,6 @@ def prepare_policy(cfg: GyreConfig, root: Path) -> GyreConfig:
     (trained now, or reused from `root/warmup-<hash>` when an identical warm-up already ran)."""
     if cfg.warmup.steps == 0:
         return cfg
-    if cfg.agents.harness != "toy":
-        raise ValueError("warmup.steps > 0 needs agents.harness=toy (its transcripts are the toy harness's)")
     from gyre_ray.envs.base import get_task_set
 
     tasks = get_task_set(cfg.agents.task_set)

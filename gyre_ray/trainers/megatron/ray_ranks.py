@@ -134,16 +134,15 @@ class RayTensorParallelTrainer(RankDrivenTrainer):
                 results.append(ray.get(ref, timeout=self.timeout_s))
             except ValueError:
                 raise
-            except ray.exceptions.GetTimeoutError:
-                self.close()  # the other ranks may wait in a collective for it: none would serve again
-                raise RankError(
-                    f"Megatron rank actor {rank}: no answer to {what} within {self.timeout_s:.0f} s; "
-                    "the trainer's rank actors are ended"
-                ) from None
             except Exception as exc:
-                self.close()
+                self.close()  # the other ranks may wait in a collective for it: none would serve again
+                why = (
+                    f"no answer to {what} within {self.timeout_s:.0f} s"
+                    if isinstance(exc, ray.exceptions.GetTimeoutError)
+                    else f"failed in {what}: {exc}"
+                )
                 raise RankError(
-                    f"Megatron rank actor {rank} failed in {what}: {exc}; the trainer's rank actors are ended"
+                    f"Megatron rank actor {rank}: {why}; the trainer's rank actors are ended"
                 ) from None
         return results
 
