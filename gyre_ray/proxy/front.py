@@ -157,10 +157,16 @@ def sse(
         except ApiError as exc:
             await asyncio.shield(gen.abandon("failed"))
             yield error_event(exc)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
         except Exception:
             log.exception("proxy stream failed")
             yield error_event(ApiError(500, "internal error while streaming; the call was aborted"))
-        # (the slot and an unfinished call are settled by `_RecordedStream`, however the response ends)
+        finally:  # (here, once the events' stream is closed, the call is settled at once; the
+            # response's own settling, `_RecordedStream`, covers a body that never ran)
+            slot.release()
+            if gen.outcome is None:
+                await asyncio.shield(gen.abandon())
 
     stream = body()
     slot.bind(stream)
