@@ -169,3 +169,45 @@ def test_a_drain_during_a_session_prefix_import_refuses_the_request():
 
     moved, events = asyncio.run(scenario())
     assert moved == 0 and len(events) == 1 and isinstance(events[0], Refused), events
+
+
+def test_an_engine_failure_while_the_request_is_exported_reaches_the_caller():
+    """An engine failing while a drain exported its request was swallowed (a failure during an export
+    is normally moot: the request continues elsewhere); when the export then found the request gone,
+    the stream just ended, and the proxy answered 503 instead of retrying on another cell."""
+    from gyre_ray.cells.cell import Failed
+    from gyre_ray.cells.scripted_engine import ScriptedEngine
+    from gyre_ray.engines.base import UnknownRequestError
+
+    class BreaksOnExport(ScriptedEngine):
+        broken = False
+
+        async def stream(self, request):
+            async for event in super().stream(request):
+                if self.broken:
+                    raise RuntimeError("device lost")
+                yield event
+
+        async def export_kv(self, rid):
+            self.broken = True
+            await asyncio.sleep(0.1)  # the stream fails meanwhile, and the request is gone
+            raise UnknownRequestError(f"request {rid!r} is not running in this engine")
+
+    async def scenario():
+        cell = RolloutCell("c0", lambda: BreaksOnExport(token_delay_s=0.01, reply_length=1000))
+        await cell.setup()
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=500, stop_token_ids=[])
+        out: list[int] = []
+        started = asyncio.Event()
+        task = asyncio.create_task(
+            _collect(cell.generate(GenerateRequest("r1", [1, 2, 3], sampling)), out, started, 2)
+        )
+        await started.wait()
+        moved = await cell.drain()
+        last = await asyncio.wait_for(task, timeout=10)
+        cell.close()
+        return moved, last
+
+    moved, last = asyncio.run(scenario())
+    assert moved == 0
+    assert isinstance(last, Failed) and last.kind == "engine" and "device lost" in last.message, last

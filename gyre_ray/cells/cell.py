@@ -336,6 +336,7 @@ class RolloutCell:
         pump = asyncio.create_task(self._pump(flight, open_stream))
         finished = False
         last_yield: float | None = None  # when the previous batch went out
+        held: Failed | None = None  # a failure while exporting: the caller's if the export fails too
         try:
             while not finished:
                 items = [await flight.queue.get()]
@@ -361,11 +362,15 @@ class RolloutCell:
                 if failure is not None and not flight.exporting:
                     yield failure
                     return
+                held = failure or held
             if flight.exporting:
                 await flight.exported.wait()
                 if flight.state is not None:
                     yield Migrated(flight.state, time.perf_counter() - started)
                     return
+            if held is not None:  # the export found the request gone: it failed here after all
+                yield held
+                return
             if context is not None:
                 self._remember(session, context)
         finally:
