@@ -177,6 +177,15 @@ class GyreConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _megatron_weight_dtype(self) -> GyreConfig:
+        if self.trainer.backend == "megatron" and self.model.dtype == "float64":
+            raise ValueError(
+                "trainer.backend=megatron trains float32, bfloat16 or float16 weights, not "
+                "model.dtype=float64: give another model.dtype (or trainer.backend=torch)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _a_gpu_per_megatron_rank(self) -> GyreConfig:
         ranks, gpus = self.trainer.megatron_ranks, self.cells.gpus_per_cell
         if self.trainer.backend == "megatron" and ranks > 1 and 0 < gpus < ranks:  # (one rank: in-process)

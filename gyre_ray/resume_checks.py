@@ -25,6 +25,8 @@ FIXED_ON_RESUME = (
     "model.path",
     "model.preset",
     "model.dtype",
+    "trainer.backend",  # the optimizer state's files differ: trainer_state.pt, trainer_state_tp{r}.pt
+    "trainer.tensor_parallel_size",  # one optimizer-state file per tensor-parallel rank's shard
     "agents.task_set",
     "run.tasks_per_step",
     "run.eval_task_set",  # unset, the last run.eval_holdout tasks are held out of training:

@@ -143,6 +143,8 @@ def test_a_number_that_is_not_finite_is_refused_in_every_section(override: str) 
     "overrides, message",
     [
         (["trainer.context_parallel_size=2"], "needs trainer.backend=megatron"),
+        (["trainer.tensor_parallel_size=2"], "needs trainer.backend=megatron"),
+        (["trainer.backend=megatron", "model.dtype=float64"], "not model.dtype=float64"),
         (
             ["trainer.backend=megatron", "trainer.context_parallel_size=2", "trainer.megatron_attention=dense"],
             "needs trainer.megatron_attention=tree",

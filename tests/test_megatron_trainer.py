@@ -215,3 +215,31 @@ def test_tree_core_attention_equals_the_dense_mask_and_builds_none(
     for batch, loss in zip(batches, losses, strict=True):
         assert tree.forward_backward(batch)["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
     assert max_relative_error(dense.export_grads(), tree.export_grads()) < 1e-5
+
+
+def test_a_bfloat16_model_is_stepped_through_float32_master_weights(tmp_path: Path) -> None:
+    """As the torch trainer (tests/test_trainer_torch.py): AdamW on bfloat16 weights in place rounded
+    most lr-1e-5 updates away; the cluster job (jobs/configs/cluster.yaml) trains exactly that way."""
+    folder = hf_folder(tmp_path, tied=False)
+    model, args = load_hf(folder)
+    section = TrainerSection(backend="megatron", lr=1e-5, grad_clip=0.0)
+    trainer = make_trainer(section, model.to(torch.bfloat16), args, lambda lp, b: (-lp.sum(), {}))
+    assert trainer.master is not None and any(p.dtype == torch.bfloat16 for p in trainer.params.values())
+    start = {k: v.detach().float().clone() for k, v in trainer.params.items()}
+    for _ in range(3):
+        trainer.forward_backward(plain_batch())
+        trainer.optimizer_step(1.0)
+    moved = total = 0
+    for name, param in trainer.params.items():
+        master = trainer.master.master[name]
+        assert torch.equal(param, master.to(param.dtype)), name  # (Megatron keeps its norms in float32)
+        delta = (master - start[name]).abs()
+        moved, total = moved + int((delta > 2e-5).sum()), total + delta.numel()
+    assert moved / total > 0.6, f"only {moved}/{total} master weights moved"  # in place: 15%
+    trainer.save(tmp_path / "ckpt")
+    resumed = make_trainer(
+        section.model_copy(update={"lr": 1e-4}), load_hf(folder)[0].to(torch.bfloat16), args, trainer.loss_fn
+    )
+    resumed.load(tmp_path / "ckpt")
+    assert all(torch.equal(resumed.master.master[k], v) for k, v in trainer.master.master.items())
+    assert resumed.optimizer.param_groups[0]["lr"] == 1e-4  # the resume's setting, not the checkpoint's

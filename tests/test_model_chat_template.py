@@ -81,7 +81,17 @@ def test_tools_without_system_message_get_their_own_system_turn():
 def test_shipped_jinja_template_renders_the_same_text():
     template = Tokenizer.default().chat_template
     assert template == (ASSETS / "chat_template.jinja").read_text()
-    for messages, tools in [(CONVERSATION, TOOLS), (CONVERSATION[1:], TOOLS), (CONVERSATION, None)]:
+    null_arguments = [  # absent or null arguments: {} in both (the Python side wrote null)
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": None}},
+            {"id": "c2", "type": "function", "function": {"name": "Read"}},
+        ]},
+    ]  # fmt: skip
+    assert '"arguments": {}}' in render(null_arguments, TOOLS)
+    for messages, tools in [
+        (CONVERSATION, TOOLS), (CONVERSATION[1:], TOOLS), (CONVERSATION, None), (null_arguments, TOOLS)
+    ]:  # fmt: skip
         for gen in (True, False):
             assert render_jinja(template, messages, tools, gen) == render(messages, tools, gen)
     import transformers  # a dev dependency (the HF reference): never skipped

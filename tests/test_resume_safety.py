@@ -240,6 +240,7 @@ def test_no_good_checkpoint_is_one_line_and_exit_2(
         ("model.path={other}", "None", "{other}"),
         ("run.eval_holdout=2", "1", "2"),  # would train on the task evaluated so far
         ("run.eval_task_set=words", "None", "words"),
+        ("trainer.backend=megatron", "torch", "megatron"),  # its optimizer state is another file
     ],
 )
 def test_a_resume_refuses_a_setting_it_cannot_take(

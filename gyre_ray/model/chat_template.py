@@ -109,7 +109,9 @@ def tool_call_text(call: Mapping[str, Any]) -> str:
     name = function.get("name")
     if not name:
         raise ValueError(f"assistant tool call without a function name: {dict(call)!r}")
-    arguments = function.get("arguments", {})
+    arguments = function.get("arguments")
+    if arguments is None:  # absent or null: an empty object, as the shipped jinja template writes it
+        arguments = {}
     arguments_json = arguments if isinstance(arguments, str) else _dumps(arguments)
     return f'{TOOL_CALL_OPEN}\n{{"name": {_dumps(name)}, "arguments": {arguments_json}}}\n{TOOL_CALL_CLOSE}'
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from gyre_ray.trainers.batch import MicroBatch
+from gyre_ray.trainers.config import TrainerSection
+from gyre_ray.trainers.master import MasterWeights
 
 # loss_fn(token_logprobs (B, T), batch) -> (scalar loss to backpropagate, metrics). Where the batch has
 # a `loss_mask` the torch trainer scores those tokens alone (the others read 0): a loss reads no other.
@@ -34,13 +36,38 @@ def add_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def make_optimizer(
+    params: dict[str, torch.nn.Parameter], section: TrainerSection
+) -> tuple[torch.optim.Optimizer, MasterWeights | None]:
+    """AdamW over `params`, or over float32 master copies of them when they are half precision
+    (`gyre_ray.trainers.master`; the second item, None for a float32 or float64 model)."""
+    master = MasterWeights(params) if MasterWeights.needed(params) else None
+    stepped = master.tensors() if master is not None else list(params.values())
+    optimizer = torch.optim.AdamW(stepped, lr=section.lr)
+    set_hyperparameters(optimizer, section)
+    return optimizer, master
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, section: TrainerSection) -> None:
+    """The section's lr, betas, eps and weight decay on every parameter group; after loading a
+    checkpoint's optimizer state too, which brings the saved run's values (a resume may change them)."""
+    for group in optimizer.param_groups:
+        group.update(
+            lr=section.lr, betas=tuple(section.betas), eps=section.eps, weight_decay=section.weight_decay
+        )
+
+
 def apply_step(trainer: Any, grad_norm: float) -> dict[str, float]:
     """The end of every backend's `optimizer_step`, once the gradients are scaled and clipped: step the
     optimizer (never on a NaN / inf norm: that step's gradients are dropped instead), bump step and
     version, zero the gradients; returns the step's metrics."""
     metrics = {"grad_norm": grad_norm, "lr": trainer.optimizer.param_groups[0]["lr"], "skipped": 0.0}
     if math.isfinite(grad_norm):
-        trainer.optimizer.step()
+        master = getattr(trainer, "master", None)
+        if master is not None:
+            master.step(trainer.optimizer)
+        else:
+            trainer.optimizer.step()
         trainer.step += 1
         trainer.version += 1
     else:

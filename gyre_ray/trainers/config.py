@@ -72,6 +72,11 @@ class TrainerSection(Section):
 
     @model_validator(mode="after")
     def _context_parallel_needs_megatron(self) -> TrainerSection:
+        if self.tensor_parallel_size > 1 and self.backend != "megatron":
+            raise ValueError(
+                f"trainer.tensor_parallel_size={self.tensor_parallel_size} needs trainer.backend=megatron "
+                f"(got {self.backend!r}: the torch trainer is one process)"
+            )
         if self.context_parallel_size > 1 and self.backend != "megatron":
             raise ValueError(
                 f"trainer.context_parallel_size={self.context_parallel_size} needs trainer.backend=megatron "

@@ -5,8 +5,9 @@ block-sparse attention plan (`gyre_ray.model.attention`) and the chunked target 
 (`trainers.batch.target_logprobs`), so neither the tree mask nor the vocabulary costs a dense pass. Gradients only ever add up, within a
 trainer (successive `forward_backward` calls) and across trainers (`export_grads` / `import_grads`);
 `optimizer_step(scale)` is the single place where they are scaled, then clipped, then applied.
-`save` writes an HF model folder plus `trainer_state.pt` (optimizer, step, version, RNG states), so
-the folder also loads in transformers.
+A bfloat16 or float16 model is stepped through float32 master weights (`trainers.master`).
+`save` writes an HF model folder plus `trainer_state.pt` (optimizer, step, version, RNG states, the
+master weights where there are), so the folder also loads in transformers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import load_state_into, read_hf_weights, save_hf
-from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
+from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step, make_optimizer, set_hyperparameters
 from gyre_ray.trainers.batch import MicroBatch, batch_problem, model_logprobs
 from gyre_ray.trainers.config import TrainerSection
 
@@ -49,13 +50,7 @@ class TorchTrainer(Trainer):
         self.section = section
         self.loss_fn = loss_fn
         self.params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
-        self.optimizer = torch.optim.AdamW(
-            self.params.values(),
-            lr=section.lr,
-            betas=tuple(section.betas),
-            eps=section.eps,
-            weight_decay=section.weight_decay,
-        )
+        self.optimizer, self.master = make_optimizer(self.params, section)
         self.version = version
         self.step = 0
         self.accumulated_batches = 0
@@ -106,7 +101,8 @@ class TorchTrainer(Trainer):
             add_grad(param, grad)
 
     def zero_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params.values():  # (the optimizer's own may be float32 master copies)
+            param.grad = None
         self.accumulated_batches = 0
 
     def optimizer_step(self, scale: float) -> dict[str, float]:
@@ -129,6 +125,8 @@ class TorchTrainer(Trainer):
         with torch.no_grad():
             load_state_into(self.model, state, dtype=dtype)
         self.params = dict(self.model.named_parameters())
+        if self.master is not None:
+            self.master.reload(self.params)
         self.version = version
 
     def save(self, folder: str | Path) -> Path:
@@ -140,6 +138,8 @@ class TorchTrainer(Trainer):
             "version": self.version,
             "rng": _rng_state(),
         }
+        if self.master is not None:
+            state["master"] = self.master.state()
         torch.save(state, folder / STATE_FILE)
         return folder
 
@@ -150,6 +150,9 @@ class TorchTrainer(Trainer):
         state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
         self.load_state_dict(read_hf_weights(folder), version=int(state["version"]))
         self.optimizer.load_state_dict(state["optimizer"])
+        set_hyperparameters(self.optimizer, self.section)
+        if self.master is not None and "master" in state:
+            self.master.load(state["master"])
         self.step = int(state["step"])
         _set_rng_state(state["rng"])
         self.zero_grads()

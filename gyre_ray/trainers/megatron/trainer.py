@@ -53,7 +53,7 @@ from gyre_ray.model.arch import ModelArgs
 from gyre_ray.model.checkpoint import read_hf_weights
 from gyre_ray.model.qwen3 import plan_mask
 from gyre_ray.model.tree_attention import plan_tree
-from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step
+from gyre_ray.trainers.base import LossFn, Trainer, add_grad, apply_step, make_optimizer, set_hyperparameters
 from gyre_ray.trainers.batch import (
     LOGPROB_CHUNK_TOKENS,
     MicroBatch,
@@ -119,13 +119,7 @@ class MegatronTrainer(Trainer):
         self.qk_norms = [n for n in self.params if n.endswith(qk)] if self.tp_size > 1 else []
         self._hf_shapes = {k: tuple(v.shape) for k, v in self._untied(hf_state).items()}
         self._load_hf(hf_state)
-        self.optimizer = torch.optim.AdamW(
-            self.params.values(),
-            lr=section.lr,
-            betas=tuple(section.betas),
-            eps=section.eps,
-            weight_decay=section.weight_decay,
-        )
+        self.optimizer, self.master = make_optimizer(self.params, section)
         self.version, self.step, self.accumulated_batches = version, 0, 0
 
     @property
@@ -325,7 +319,8 @@ class MegatronTrainer(Trainer):
             add_grad(param, grad)
 
     def zero_grads(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        for param in self.params.values():  # (the optimizer's own may be float32 master copies)
+            param.grad = None
         self.accumulated_batches = 0
 
     @torch.no_grad()
@@ -369,6 +364,8 @@ class MegatronTrainer(Trainer):
             )
         for name, tensor in local.items():
             self.params[name].copy_(tensor.to(self.params[name].dtype))
+        if getattr(self, "master", None) is not None:
+            self.master.reload(self.params)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._to_hf({n: p.detach() for n, p in self.params.items()})
@@ -400,6 +397,8 @@ class MegatronTrainer(Trainer):
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
         }
+        if self.master is not None:
+            state["master"] = self.master.state()
         if self.cp_rank == 0:  # and the same optimizer state
             torch.save(state, folder / STATE_FILE.format(rank=self.tp_rank))
         return folder
@@ -411,6 +410,9 @@ class MegatronTrainer(Trainer):
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.load_state_dict(read_hf_weights(folder), version=int(state["version"]))
         self.optimizer.load_state_dict(state["optimizer"])
+        set_hyperparameters(self.optimizer, self.section)
+        if self.master is not None and "master" in state:
+            self.master.load(state["master"])
         self.step = int(state["step"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
