@@ -45,13 +45,15 @@ def _configs(cells: int) -> list[tuple[str, dict[str, Any]]]:
     return runs
 
 
-def _simulate(run_dir: Path) -> dict[str, Any]:
-    """The simulator's replay of the run (`gyre-ray simulate --trace RUN_DIR`, with the run's own scheduler
-    section): predicted vs measured makespan."""
+def _simulate(run_dir: Path, section: dict[str, Any]) -> dict[str, Any]:
+    """The simulator's replay of the run (`gyre-ray simulate --trace RUN_DIR`) with the run's own scheduler
+    section (the run folder has no config.json, whose section the replay would read): predicted vs
+    measured makespan."""
+    from gyre_ray.scheduling.config import SchedulerSection
     from gyre_ray.sim.replay import predict_run
 
     try:
-        report = predict_run(run_dir)
+        report = predict_run(run_dir, scheduler=SchedulerSection.model_validate(section))
     except Exception as exc:  # a replay failure is reported, the benchmark's figures stand
         return {"available": False, "detail": f"{type(exc).__name__}: {exc}"}
     row = report["policies"][report["recorded_policy"]]
@@ -158,8 +160,9 @@ def main() -> int:
 
         serve.shutdown()
         ray.shutdown()
+    sections = dict(_configs(args.cells))
     for row in rows:
-        row["simulated"] = _simulate(runs_dir / row["run"])
+        row["simulated"] = _simulate(runs_dir / row["run"], sections[row["run"]])
     by = {r["run"]: r["makespan_s"] for r in rows}
     asyncs = {k: v for k, v in by.items() if k.startswith("async-")}
     ratios = {}

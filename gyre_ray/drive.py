@@ -67,7 +67,7 @@ def drive(
             progress.update(seen, note=_progress_note(snapshot))
             if finished:
                 break
-    result = ray.get(done)
+        result = ray.get(done)  # inside: a run that raised ends its progress line "stopped on an error"
     if evaluator is not None:
         _log_eval(logger, evaluator.finish(version))
     return result

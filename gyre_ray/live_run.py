@@ -26,9 +26,12 @@ from typing import Any
 
 from gyre_ray.config import ConfigError, GyreConfig
 from gyre_ray.proxy.store_files import json_lines
-from gyre_ray.run_folder import replace_jsonl
+from gyre_ray.run_folder import replace_jsonl, replace_text
 
 LIVE_FILE = "live-run.json"
+# Every run's driver, local or not, while it runs: {"pid", "host"} (`gyre-ray runs` says `running`;
+# a `--resume` of the folder is refused while that driver lives). Left behind by a killed driver.
+DRIVER_FILE = "driver.json"
 
 
 def persistent_cluster() -> bool:
@@ -200,6 +203,42 @@ def driver_state(driver: Any) -> str:
     except OSError:
         alive = False
     return "running" if alive else "gone"
+
+
+def mark_driver(run_dir: Path) -> None:
+    """Write `driver.json`: this process drives the run in `run_dir` (`clear_driver` at its end)."""
+    replace_text(run_dir / DRIVER_FILE, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+
+
+def clear_driver(run_dir: Path) -> None:
+    """The run's driver is ending: remove its `driver.json` (only its own)."""
+    path = run_dir / DRIVER_FILE
+    try:
+        mine = json.loads(path.read_text()).get("pid") == os.getpid()
+    except (OSError, ValueError, AttributeError):
+        mine = False
+    if mine:
+        path.unlink(missing_ok=True)
+
+
+def recorded_driver(run_dir: Path) -> dict[str, Any] | None:
+    """`driver.json`'s driver, None when there is none (or it cannot be read)."""
+    try:
+        driver = json.loads((run_dir / DRIVER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return driver if isinstance(driver, dict) else None
+
+
+def refuse_running_driver(run_dir: Path) -> None:
+    """For `--resume`: a `ConfigError` while another driver of this host still runs the run (local
+    runs have no live-run.json; two drivers would write into one folder)."""
+    driver = recorded_driver(run_dir)
+    if driver is not None and driver.get("pid") != os.getpid() and driver_state(driver) == "running":
+        raise ConfigError(
+            f"the run in {run_dir} is still running: its driver (pid {driver['pid']}) runs on this host; "
+            "stop it or let it finish, then resume"
+        )
 
 
 def _refuse_live_driver(info: dict[str, Any]) -> None:

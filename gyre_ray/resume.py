@@ -230,10 +230,23 @@ def segment_offset(run_dir: str | Path, first_step: int) -> float:
     return max([r["end"] for r in trace] + [s[3] for s in spans] + published, default=0.0)
 
 
+# A resumed segment moves the earlier segment's summary.json here once its restore succeeded: until the
+# segment writes its own, the folder holds no proof that the run ended (`gyre-ray runs`, the report).
+EARLIER_SUMMARY = "summary.earlier.json"
+
+
+def set_summary_aside(run_dir: Path) -> None:
+    """Move summary.json to `EARLIER_SUMMARY` (where `_summary` reads it); none: nothing to do."""
+    if (run_dir / "summary.json").is_file():
+        (run_dir / "summary.json").replace(run_dir / EARLIER_SUMMARY)
+
+
 def _summary(run_dir: Path) -> dict[str, Any]:
-    """The earlier segment's summary.json; {} when absent, or empty or cut off (the job was killed
-    while writing it: its trace and steps are still read from trace.jsonl and metrics.jsonl)."""
-    return json_object(run_dir / "summary.json", {})
+    """The earlier segment's summary.json (or, once a resume set it aside, `EARLIER_SUMMARY`); {} when
+    absent, or empty or cut off (the job was killed while writing it: its trace and steps are still
+    read from trace.jsonl and metrics.jsonl)."""
+    path = run_dir / "summary.json"
+    return json_object(path if path.is_file() else run_dir / EARLIER_SUMMARY, {})
 
 
 def shift(row: dict[str, Any], keys: tuple[str, ...], offset: float) -> dict[str, Any]:

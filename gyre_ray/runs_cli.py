@@ -4,6 +4,8 @@ One line per run folder, newest first: its status, the steps logged of those con
 (mean of the first 3 scored steps -> of the last 3, fewer in a run of under 6 so that the ends do
 not overlap, as `gyre-ray train` prints it), the makespan, its newest complete checkpoint, and what
 to do next where there is something to do. The status is read from what the job leaves:
+- `running`: `driver.json` names a driver that still runs on this host (every run writes it while
+  its driver runs, local or not);
 - `done`: `summary.json` (the job's last write; an empty or torn one, the job killed while writing
   it, does not count: such a run is `stopped` unless failed.json or live-run.json say more);
 - `failed`: `failed.json` (an error, Ctrl-C, or no execution scored in any step:
@@ -36,7 +38,7 @@ from typing import Any
 
 from gyre_ray.checkpoint import complete_checkpoints, load_state
 from gyre_ray.json_values import is_int, is_number, short
-from gyre_ray.live_run import LIVE_FILE, driver_state
+from gyre_ray.live_run import LIVE_FILE, driver_state, recorded_driver
 from gyre_ray.observability.metrics import trend_window
 from gyre_ray.proxy.store_files import json_lines, json_object
 from gyre_ray.run_folder import is_run_folder
@@ -78,10 +80,9 @@ def _runs_command(args: argparse.Namespace) -> int:
 
 def list_runs(root: Path) -> list[dict[str, Any]]:
     """Every run folder directly under `root`, newest first (by its config.json's time)."""
+    # (a warm-up cache, or one being saved as warmup-<key>.tmp, holds an HF config.json: not a run)
     folders = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and (p / "config.json").is_file() and not (p / "warmup.json").exists()
+        p for p in root.iterdir() if p.is_dir() and not (p / "warmup.json").exists() and is_run_folder(p)
     ]
     folders.sort(key=lambda p: (p / "config.json").stat().st_mtime, reverse=True)
     return [_describe_or_note(p) for p in folders]
@@ -92,7 +93,7 @@ def _describe_or_note(folder: Path) -> dict[str, Any]:
     folder must not hide the others."""
     try:
         return describe_run(folder)
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
         run = _blank_run(folder)
         run["error"] = f"the run folder could not be read: {type(exc).__name__}: {exc}"[:300]
         run["next"] = _next_step(run)
@@ -176,7 +177,7 @@ def _checkpoint_step(folder: Path, notes: list[str]) -> int | None:
     checkpoint for the one before it."""
     for checkpoint in reversed(complete_checkpoints(folder)):
         try:
-            step = load_state(checkpoint).get("step", 0)
+            step = load_state(checkpoint).get("step")
         except (OSError, ValueError, AttributeError):
             step = None
         if is_int(step) and step >= 0:
@@ -217,16 +218,20 @@ def describe_run(folder: Path) -> dict[str, Any]:
         else:
             run["makespan_s"] = makespan
     errors = []
-    # failed.json first: a run that ended with no execution scored, or a resumed segment that failed
-    # after an earlier one wrote summary.json, has both
-    if (folder / FAILED_FILE).is_file():
+    # a driver that still runs on this host first (a resumed segment of a failed run has failed.json
+    # until it ends well); then failed.json: a run that ended with no execution scored, or a resumed
+    # segment that failed after an earlier one wrote summary.json, has both
+    live = (folder / LIVE_FILE).is_file()  # (its own driver line says whether that driver runs)
+    if not live and driver_state(recorded_driver(folder)) == "running":
+        run["status"] = "running"
+    elif (folder / FAILED_FILE).is_file():
         run["status"] = "failed"
         error = json_object(folder / FAILED_FILE, {}).get("error")
         if error is not None and not isinstance(error, str):
             notes.append(f"{FAILED_FILE}: error {short(error)} is not text")
         elif error:
             errors.append(error)
-    elif (folder / LIVE_FILE).is_file():
+    elif live:
         run["status"] = "live"
         run["driver"] = driver_state(_driver(json_object(folder / LIVE_FILE, {}).get("driver"), notes))
     elif summary and not notes:
@@ -248,6 +253,8 @@ def _driver(driver: Any, notes: list[str]) -> Any:
 
 def _next_step(run: dict[str, Any]) -> str:
     folder = run["folder"]
+    if run["status"] == "running":
+        return "its driver still runs on this host: wait for it (or stop it, then resume)"
     if run["status"] == "live":
         if run["driver"] == "running":
             return "its driver still runs on this host: wait for it (or stop it, then --attach)"

@@ -28,7 +28,7 @@ from gyre_ray.checkpoint import latest_good, load_state, require_good, trainer_d
 from gyre_ray.config import GyreConfig, load_config
 from gyre_ray.evaluation import check_tasks_per_step, format_eval, read_eval, reward_text
 from gyre_ray.observability.metrics import trend_window
-from gyre_ray.resume import merge_segments, prepare_resume, segment_offset
+from gyre_ray.resume import EARLIER_SUMMARY, merge_segments, prepare_resume, segment_offset, set_summary_aside
 from gyre_ray.resume_checks import check_checkpoint_model, check_resume_settings, keep_config
 from gyre_ray.run_folder import replace_text
 from gyre_ray.runtime.report import recovery_lines
@@ -168,6 +168,7 @@ def train(
     resumed = Path(resume).resolve() if resume is not None else None
     if resumed is not None:  # what a resume may not change, and its checkpoint, before the warm-up
         check_resume_settings(cfg, resume)
+        live_run.refuse_running_driver(resumed)
         live_run.refuse_if_alive(cfg, resumed)
         checkpoint = require_good(resumed, warn=_say)  # a damaged newest one is skipped
     if attach is not None:  # config.json holds the prepared policy already
@@ -188,9 +189,11 @@ def train(
     elif attach is None:
         run_dir, start = new_run_dir(cfg), None
     close_run_folder(cfg, run_dir)
+    live_run.mark_driver(run_dir)  # `gyre-ray runs`: running (removed below, left by a killed driver)
     try:
         summary = _run_segments(cfg, run_dir, start, restarts, (engine_factory, execute), live, progress)
     except BaseException as exc:
+        live_run.clear_driver(run_dir)
         if not progress["restored"]:  # the folder is as it was: its plain `--resume` still applies
             print(
                 f"gyre-ray: the resume failed before its checkpoint was restored; {run_dir}/config.json "
@@ -201,6 +204,7 @@ def train(
             raise
         note_failure(run_dir, exc)
         raise
+    live_run.clear_driver(run_dir)
     failure = nothing_scored(summary["steps"])
     if failure:  # every step ran, but no execution was scored: nothing was learned
         note_failure(run_dir, RuntimeError(failure), quiet=True)
@@ -378,6 +382,7 @@ def _run_segment(
                 print(f"gyre-ray: resumed from {checkpoint_in} (step {first_step}, weights v{version})")
             if start is not None and live is None:
                 keep_config(run_dir, config_text)
+                set_summary_aside(run_dir)  # no proof the run ended until this segment writes one
             if progress is not None:
                 progress["restored"] = True
             if live is not None:
@@ -424,6 +429,7 @@ def _run_segment(
             "runner_losses": result.get("runner_losses", []),  # executions started again
         }
         replace_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+        (run_dir / EARLIER_SUMMARY).unlink(missing_ok=True)
         report = _write_report(run_dir)
         logger.finish_run(summary, report)
     finally:

@@ -14,6 +14,7 @@ from gyre_ray.observability.report import (
     rewards_by_task,
     running_over_time,
     step_rewards_by_task,
+    task_rewards,
     write_report,
 )
 
@@ -201,3 +202,15 @@ def test_the_newest_gyre_ray_eval_is_drawn_when_the_run_has_no_evaluation(
     (run / "eval.jsonl").write_text(_eval_round(0, 0.3))  # the run's own rounds come first
     loaded = load_run(run)
     assert [r["reward_mean"] for r in loaded["eval"]] == [0.3] and loaded["notes"] == []
+
+
+def test_per_task_rewards_take_the_steps_the_trace_lacks_from_the_metrics() -> None:
+    """A resumed segment in progress (or killed) has trace rows of the earlier segments only: the
+    per-task lines ended there while the mean went on."""
+    steps = [{"step": 0, "reward_by_task": {"vowels": 0.1}}, {"step": 1, "reward_by_task": {"vowels": 0.2}},
+             {"step": 2, "reward_by_task": {"vowels": 0.8, "brackets": 0.4}}]  # fmt: skip
+    assert task_rewards(TRACE, steps) == {
+        "vowels": {0: pytest.approx(0.6), 1: 0.9, 2: 0.8},  # the trace's where it has the step
+        "brackets": {2: 0.4},
+    }
+    assert task_rewards([], steps) == step_rewards_by_task(steps)  # a killed run has no trace

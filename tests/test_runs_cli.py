@@ -254,3 +254,56 @@ def test_a_short_runs_trend_compares_ends_that_do_not_overlap_as_train_says(tmp_
     assert run["reward_first"] == pytest.approx(0.325) and run["reward_last"] == pytest.approx(0.45)
     line = reward_trend([{"reward_mean": r} for r in rewards])
     assert "first 2 step(s) 0.325 -> last 2 step(s) 0.450" in line
+
+
+def test_a_run_whose_driver_runs_here_is_running_and_a_killed_ones_is_stopped(tmp_path: Path) -> None:
+    """Local runs write no live-run.json: one in progress was listed `stopped`, told to start again;
+    a resumed one in progress (or killed) `done`, from the earlier segment's summary.json."""
+    from gyre_ray.live_run import DRIVER_FILE
+    from gyre_ray.resume import EARLIER_SUMMARY, set_summary_aside
+
+    here = socket.gethostname()
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "train"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass", "train"])
+    ended.wait()
+    try:
+        for name, pid in (("running", driver.pid), ("killed", ended.pid)):
+            folder = make_run(tmp_path, name, 8, [0.1, 0.2, 0.3], 100.0, checkpoint=3)
+            (folder / "summary.json").write_text(json.dumps({"costs": {"makespan_s": 15.2}}))
+            (folder / "failed.json").write_text(json.dumps({"error": "RuntimeError: an earlier segment"}))
+            set_summary_aside(folder)  # what a resume does once its checkpoint is restored
+            (folder / DRIVER_FILE).write_text(json.dumps({"pid": pid, "host": here}))
+        runs = {run["name"]: run for run in list_runs(tmp_path)}
+    finally:
+        driver.kill()
+        driver.wait()
+    assert runs["running"]["status"] == "running" and "wait for it" in runs["running"]["next"]
+    assert runs["killed"]["status"] == "failed"  # the earlier segment's failure, not done
+    assert not (tmp_path / "running" / "summary.json").exists()
+    assert (tmp_path / "running" / EARLIER_SUMMARY).is_file()
+
+
+def test_warm_up_leftovers_and_a_checkpoint_without_a_step_are_not_taken_for_runs(tmp_path: Path) -> None:
+    saving = tmp_path / "warmup-0123456789ab.tmp"  # a warm-up killed while saving its HF folder
+    saving.mkdir()
+    (saving / "config.json").write_text(json.dumps({"vocab_size": 100, "model_type": "qwen3"}))
+    folder = make_run(tmp_path, "run", 4, [0.1, 0.2], 100.0, checkpoint=1)
+    newer = folder / CHECKPOINTS / checkpoint_name(2)
+    (newer / TRAINER_DIR).mkdir(parents=True)
+    (newer / STATE_FILE).write_text("{}")  # no step: damaged, as --resume reads it
+    (run,) = list_runs(tmp_path)
+    assert run["name"] == "run" and run["checkpoint_step"] == 1
+    assert "step-000002: its state.json holds no step number" in run["error"]
+
+
+def test_a_line_nested_too_deep_is_a_note_not_a_traceback(tmp_path: Path, capsys) -> None:
+    folder = make_run(tmp_path, "deep", 4, [0.1], 100.0)
+    (folder / "metrics.jsonl").write_text(
+        json.dumps({"step": 0, "reward_mean": 0.1}) + "\n" + "[" * 100000 + "\n"
+    )
+    make_run(tmp_path, "other", 4, [0.3], 50.0)
+    assert main(["runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "other" in out and "deep" in out
+    assert main(["report", str(folder)]) == 2
+    assert "nested too deep" in capsys.readouterr().err

@@ -95,6 +95,10 @@ def test_prepare_policy_trains_once_then_reuses(tmp_path: Path, capsys: pytest.C
     assert again.model.path == first.model.path
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     assert "reused" in capsys.readouterr().out
+    (folder / DONE_FILE).write_text("{}")  # damaged (a full disk, a hand edit): trained again
+    assert prepare_policy(cfg, tmp_path).model.path == first.model.path
+    assert "damaged (KeyError): training it again" in capsys.readouterr().out
+    assert json.loads((folder / DONE_FILE).read_text())["steps"] == 2
     other = prepare_policy(
         cfg.model_copy(update={"model": cfg.model.model_copy(update={"seed": 1})}), tmp_path
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gyre_ray.json_values import is_int
+from gyre_ray.run_folder import replace_text
 
 SWITCH_COLUMNS = (
     "cell", "direction", "at_s", "seconds", "batch", "executions_running", "executions_rehosted",
@@ -173,8 +174,8 @@ class MetricsLogger:
 def _wandb_id(run_dir: Path) -> str:
     """The run folder's wandb run id (made once, reused when the run is resumed)."""
     path = run_dir / WANDB_ID_FILE
-    if path.is_file():
-        return path.read_text().strip()
+    if path.is_file() and (known := path.read_text().strip()):  # (an empty one: made again)
+        return known
     run_id = secrets.token_hex(4)
-    path.write_text(run_id + "\n")
+    replace_text(path, run_id + "\n")
     return run_id

@@ -178,6 +178,8 @@ def _read_jsonl(
     for n, line in numbered:
         try:
             row = json.loads(line)
+        except RecursionError:  # nested deeper than the parser goes: no line the job writes
+            raise ReportError(f"{path}:{n}: not a JSON line (nested too deep)") from None
         except ValueError as exc:
             if n == numbered[-1][0]:
                 notes.append(f"skipped the cut-off last line of {path.name} (its writer was killed)")
@@ -271,6 +273,16 @@ def step_rewards_by_task(steps: list[dict[str, Any]]) -> dict[str, dict[int, flo
     return dict(out)
 
 
+def task_rewards(trace: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """`rewards_by_task` of the trace, with the steps it lacks from the metrics' `reward_by_task`: a
+    killed run has no trace, a resumed segment in progress (or killed) the earlier segments' only."""
+    by_task = rewards_by_task(trace)
+    traced = {int(r["step"]) for r in trace if isinstance(r.get("step"), int)}
+    for task, series in step_rewards_by_task([m for m in steps if m.get("step") not in traced]).items():
+        by_task[task] = dict(sorted({**by_task.get(task, {}), **series}.items()))
+    return by_task
+
+
 def unscored_task_steps(trace: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, set[int]]:
     """The steps at which each task ran but scored no execution (every one dropped): gaps in its line,
     not steps it skipped (a task that was not sampled at a step has no point there and no gap)."""
@@ -342,7 +354,7 @@ def plot_reward(steps: list[dict[str, Any]], trace: list[dict[str, Any]], path: 
     # a step that scored no execution has no reward (None): a gap in the line, not a drop to 0
     ys = [_or_nan(m.get("reward_mean")) for m in steps]
     ax.plot(xs, ys, "o-", color="black", lw=2, label="mean")
-    by_task = rewards_by_task(trace) or step_rewards_by_task(steps)  # a killed run has no trace
+    by_task = task_rewards(trace, steps)
     gaps = unscored_task_steps(trace, steps)
     for task, series in sorted(by_task.items()):
         # a step at which the task ran but scored nothing breaks its line (the mean's gap, too)

@@ -181,6 +181,21 @@ def _run_warmup(cfg: GyreConfig, tasks: list[Any], folder: Path) -> dict[str, An
     return info
 
 
+def _cached(folder: Path) -> dict[str, Any] | None:
+    """The cached warm-up's `DONE_FILE`, or None when there is none; a damaged one is said and trained
+    again (the folder is replaced whole)."""
+    path = folder / DONE_FILE
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        float(info["loss_last10_mean"])
+        return info
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        print(f"gyre-ray: the cached warm-up {path} is damaged ({type(exc).__name__}): training it again")
+        return None
+
+
 def prepare_policy(cfg: GyreConfig, root: Path) -> GyreConfig:
     """`cfg` itself when the warm-up is off; else `cfg` with `model.path` at the warmed-up policy
     (trained now, or reused from `root/warmup-<hash>` when an identical warm-up already ran)."""
@@ -190,8 +205,8 @@ def prepare_policy(cfg: GyreConfig, root: Path) -> GyreConfig:
 
     tasks = get_task_set(cfg.agents.task_set)
     folder = root / f"warmup-{warmup_key(cfg, [t.prompt for t in tasks])}"
-    if (folder / DONE_FILE).is_file():
-        info = json.loads((folder / DONE_FILE).read_text())
+    info = _cached(folder)
+    if info is not None:
         print(f"gyre-ray: warm-up reused from {folder} (loss {info['loss_last10_mean']:.3f})", flush=True)
     else:
         print(
