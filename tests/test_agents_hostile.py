@@ -20,7 +20,7 @@ import pytest
 from served_proxy import ServedProxy
 
 from gyre_ray.agents.runner import Endpoint, run_execution
-from gyre_ray.agents.sandbox import USER_PREFIX, Limits, can_create_users
+from gyre_ray.agents.sandbox import USER_PREFIX, Limits, can_create_users, protect_job_folders
 from gyre_ray.cells.factories import ScriptedEngineFactory
 from gyre_ray.envs.base import EvalResult, Task
 from gyre_ray.envs.toy import char_coverage_evaluator
@@ -88,7 +88,8 @@ json.dump(seen, open("probe.json", "w"))
 def test_a_neighbour_sees_no_workspace_home_log_key_or_job_secret(exec_tmp: Path, monkeypatch) -> None:
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
-    root = exec_tmp / "workspaces"
+    root = exec_tmp / "run" / "workspaces"
+    protect_job_folders(root)  # as every execution's start in the job does (agents/launch.py)
     a_ws, b_ws = root / "A", root / "B"
     writer = "import os, time; open('secret.txt','w').write('A-SECRET'); "
     writer += (
@@ -107,15 +108,16 @@ def test_a_neighbour_sees_no_workspace_home_log_key_or_job_secret(exec_tmp: Path
     while not (a_ws / "secret.txt").exists():  # the job (root) can see it; B should not
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    targets = [a_ws / "secret.txt", root / "A.home/secret.txt", root / "A.log", exec_tmp / "ws-A-notes"]
-    probe = _py(PROBE)[:3] + [str(t) for t in targets[:3]]
+    targets = [a_ws / "secret.txt", root / "A.home/secret.txt", root / "A.log"]  # all there by now
+    probe = _py(PROBE)[:3] + [str(t) for t in targets]
     results["B"] = run_execution(
         "B", _task(), Endpoint("http://127.0.0.1:9", "key-B"), b_ws, command=probe, timeout_s=30
     )
     thread.join()
     seen = json.loads((b_ws / "probe.json").read_text())
-    for target in targets[:3]:
-        assert seen[str(target)].startswith("DENIED"), (target, seen[str(target)])
+    for target in targets:
+        assert seen[str(target)] == "DENIED PermissionError", (target, seen[str(target)])
+    assert str(seen["listing"]).startswith("DENIED"), seen["listing"]  # no neighbour's names either
     assert not any(k.startswith("/proc/") for k in seen), "another process's environment was readable"
     env = seen["env"]
     assert env["OPENAI_API_KEY"] == "key-B" and not set(SECRETS) & set(env)

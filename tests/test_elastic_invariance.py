@@ -307,6 +307,14 @@ def test_gradients_discarded_by_a_restarted_scheduler_never_take_a_late_import(b
         await core.discard_grads()
         held = core._trainer().export_grads()
         assert all(float(g.abs().sum()) == 0 for g in held.values())  # nothing landed after the discard
+        # and `discard_grads` alone, with no `settled_version` before it, waits for the import too
+        await sat.train(batches[0])
+        importing = asyncio.ensure_future(core.import_grads(await sat.export_grads()))
+        await asyncio.sleep(0.1)
+        await core.discard_grads()
+        assert importing.done()
+        held = core._trainer().export_grads()
+        assert all(float(g.abs().sum()) == 0 for g in held.values())
         core.close()
         sat.close()
 

@@ -283,3 +283,33 @@ def test_a_restarted_scheduler_finding_a_cell_dead_without_a_pool_loses_it_once(
     monkeypatch.setattr(time, "sleep", lambda s: None)
     sched._reset_cells()
     assert [f["cell"] for f in sched.faults] == ["cell-1"] and sched.views[1].phase is CellPhase.LOST
+
+
+def test_a_launch_the_policy_placed_on_a_cell_it_then_switches_moves_with_the_switch(monkeypatch) -> None:
+    """Elastic may place a launch on a cell and switch that cell to training in one decision (counting
+    on the switch to move it). `_decide` switched first and launched after, so the execution was
+    booked on a cell in `to_train`: queued demand for its whole life, and its real cell looked empty."""
+    from gyre_ray.scheduling.runtime import migrate_executions
+
+    sched, _ = recovering([CellPhase.ROLLOUT] * 2, monkeypatch, pool=None)
+    sched.update, sched.updates, sched.eta = None, 0, 0
+    sched.ledger = ExecutionLedger.planned([0])
+    sched.live.waiting_calls = {}
+    sched.runners, sched.lost_runners = [], set()
+    sched.policy = SimpleNamespace(decide=lambda state: [Launch(0, 0), SwitchToTrain(0)])
+    order: list[str] = []
+
+    def launch(launches: list[Launch]) -> None:
+        order.append("launch")
+        for a in launches:
+            sched.ledger.launch(a.exec_id, a.cell_id, 0.0)
+
+    def switch(index: int) -> None:
+        order.append("switch")
+        migrate_executions(sched.ledger, index, sched.views)
+        sched.views[index].enter(CellPhase.TO_TRAIN, 0.0)
+
+    sched._launch, sched._switch_to_train = launch, switch
+    sched._decide()
+    assert order == ["launch", "switch"]
+    assert sched.ledger.hosted == {0: 1}, "the execution moves to the cell that stays in rollout"

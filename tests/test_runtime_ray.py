@@ -117,7 +117,9 @@ def test_eta0_stays_on_policy(runtime) -> None:
     assert not [r for r in trace if r["step"] == 1 and r["start"] < first]
     for k in range(2):
         assert steps[k]["staleness"]["max"] == 0
-        for row in (r for r in trace if r["step"] == k):
+        rows = [r for r in trace if r["step"] == k]
+        assert rows, f"step {k} has no execution in the trace"
+        for row in rows:
             assert set(_token_versions(folder, row["exec_id"])) == {v0 + k}
 
 

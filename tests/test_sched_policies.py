@@ -327,3 +327,20 @@ def test_elastic_weighs_the_measured_switch_cost_against_the_backlog(switch_s: f
     s = state([cell(0, T, micro_step_until=150.0), cell(1), cell(2)], hosted={1: 1}, ready=600.0)
     s = replace(s, switch_to_train_s=switch_s, switch_to_rollout_s=switch_s)
     assert bool(of(SwitchToTrain, make_policy("elastic").decide(s))) is switches
+
+
+def test_trickle_counts_an_execution_on_a_cell_out_of_rollout_once() -> None:
+    """An execution booked on a lost (or training) cell is in flight and in `queued_demand` both: the
+    trickle allowance counted it twice and let later batches fill a cell more than intended."""
+    from gyre_ray.scheduling.elastic import _trickle_allowance
+    from gyre_ray.scheduling.runtime import CellPhase, CellView, Costs, ExecutionLedger, build_state
+
+    views = [CellView(f"cell-{i}", i, capacity=4.0, is_core=i == 0) for i in range(3)]
+    views[2].enter(CellPhase.LOST, 0.0)
+    ledger = ExecutionLedger.planned([0, 0, 0, 0, 1, 1])
+    for exec_id, cell in ((0, 0), (1, 0), (2, 2), (3, 2)):  # two on the lost cell
+        ledger.launch(exec_id, cell, 0.0)
+    state = build_state(1.0, 0, 2, 1, views, ledger, 0, Costs())
+    assert state.in_flight_demand(0) == 4.0 and state.queued_demand == 2.0
+    # batch 0's 4 executions need one 4-slot cell, which holds 2: room for 2 of later batches
+    assert _trickle_allowance(state, {}) == 2.0

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -74,9 +75,13 @@ def test_what_an_execution_leaves_outside_the_scratch_folders_is_gone_for_the_ne
         a = run_execution(
             "A", make_task(), NOWHERE, exec_tmp / "workspaces" / "A", command=py(LEAVE), timeout_s=30
         )
-        b = run_execution(
-            "B", make_task(), NOWHERE, exec_tmp / "workspaces" / "B", command=py(FIND), timeout_s=30
-        )
+        for _ in range(10):  # B must draw A's uid: a neighbour holding that slot sends it elsewhere
+            b = run_execution(
+                "B", make_task(), NOWHERE, exec_tmp / "workspaces" / "B", command=py(FIND), timeout_s=30
+            )
+            if b.log_tail.split("UID ", 1)[1].split()[0] == a.log_tail.split("UID ", 1)[1].split()[0]:
+                break
+            time.sleep(0.5)
     finally:
         LOCK_FILE.unlink(missing_ok=True)
         _remove_shm(SHM_KEY)

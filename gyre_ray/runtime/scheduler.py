@@ -329,6 +329,9 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
                 continue
             elif isinstance(action, SwitchToTrain):
                 if self.views[action.cell_id].phase is CellPhase.ROLLOUT:
+                    # in the policy's order: a launch it placed on this cell before switching it is
+                    # booked first, so that the switch moves it to the cell the policy counted on
+                    self._launch_now(launches)
                     self._switch_to_train(action.cell_id)
             elif isinstance(action, SwitchToRollout):
                 view = self.views[action.cell_id]
@@ -336,8 +339,14 @@ class RunScheduler(CellRecovery, SchedulerReattach, RunnerRecovery, UpdateStages
                     view.return_requested = True
                     if view.phase is CellPhase.TRAIN_IDLE:
                         self._start_return(action.cell_id)
-        if launches and self._pick_runner() not in self.lost_runners:  # (else: once one answers again)
+        self._launch_now(launches)
+
+    def _launch_now(self, launches: list[Launch]) -> None:
+        """Launch `launches` (and empty the list), unless the runner is lost: then they wait, pending,
+        for the next decision once one answers again."""
+        if launches and self._pick_runner() not in self.lost_runners:
             self._launch(launches)
+        launches.clear()
 
     def _launch(self, launches: list[Launch]) -> None:
         registered = [

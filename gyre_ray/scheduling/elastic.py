@@ -267,7 +267,17 @@ def _trickle_allowance(state: SchedState, placed: dict[int, list[float]]) -> flo
     `placed` by this decision included) need, ceil of their demand over a cell's capacity."""
     v = state.policy_version
     placed_demand = sum(sum(items) for items in placed.values())
-    current = state.in_flight_demand(v) + placed_demand + state.queued_demand
+    # executions booked on a cell out of the rollout role (or lost for good) are in `queued_demand`
+    # already (the runtime's; the simulator moves them when the cell leaves, and queues nothing)
+    rollout = {c.cell_id for c in state.cells if c.role is Role.ROLLOUT}
+    elsewhere = sum(
+        e.demand
+        for cell_id, executions in state.in_flight_by_cell.items()
+        if cell_id not in rollout
+        for e in executions.values()
+        if e.batch <= v
+    )
+    current = state.in_flight_demand(v) - elsewhere + placed_demand + state.queued_demand
     if current <= EPS:
         return math.inf
     per_cell = max(c.rollout_capacity for c in state.cells)
