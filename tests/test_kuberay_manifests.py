@@ -124,7 +124,16 @@ def test_rayservice_serves_the_proxy_application() -> None:
     assert attr == "app_builder"
     cfg = load_config(ROOT / app.args["config"], app.args["overrides"])
     assert cfg.model.path and Path(cfg.model.path).is_absolute()
+    assert cfg.proxy.records_dir.startswith("/mnt/gyre/")  # the volume: the pod's disk goes with it
     spec = _by_kind("RayService")["spec"]["rayClusterConfig"]
+    # Serve tooling never runs `serve_proxy`, which gives Serve's HTTP proxy the replica-loss 503:
+    # the head container's environment must (the proxy actors run there, proxy_location HeadOnly)
+    from gyre_ray.proxy.serve_errors import proxy_env
+
+    head_env = {
+        e["name"]: e["value"] for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert head_env == proxy_env(int(head_env.get("GYRE_RETRY_AFTER_S", "0")))
     (cells,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "cells"]
     # every cell's bundle must be placed, or the app never starts: a fixed pod per cell
     assert cells["replicas"] == cells["minReplicas"] == cells["maxReplicas"] == cfg.cells.num_cells
