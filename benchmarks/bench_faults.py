@@ -184,7 +184,7 @@ def run_job(steps: int, name: str, root: Path, injector: Injector | None) -> tup
 
 def last_starts(run_dir: Path) -> dict[str, str]:
     """Each planned execution's id -> the id of its last start (`r<n>.<id>` once its executor died)."""
-    from gyre_ray.runtime.runners import planned_id, starts_of
+    from gyre_ray.agents.relaunch import planned_id, starts_of
 
     last: dict[str, str] = {}
     for path in (run_dir / "workspaces").iterdir():

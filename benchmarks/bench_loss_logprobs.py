@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", choices=("torch", "megatron"), default="torch")
     args = parser.parse_args()
+    if args.executions < 2:  # one execution's group advantage is 0: nothing would be trained
+        parser.error("--executions must be at least 2 (a group of one has advantage 0: no loss token)")
     torch.set_num_threads(args.threads)
     cases = []
     for name, shape in SHAPES.items():

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from gyre_ray.scheduling.config import SchedulerSection
 
 HOUR = 3600.0
+# Longest `--plot-hours` (in hours it must stay finite: 1e308 hours are infinite seconds).
+MAX_PLOT_HOURS = 1_000_000.0
 # Most cells one simulation takes (and nodes `plan` splits): the engine keeps per-cell state and
 # async tries every split, so more only runs out of memory or time.
 MAX_CELLS = 10_000
@@ -199,12 +201,15 @@ def _simulate_command(args: argparse.Namespace) -> int:
         return _fail("simulate", "--plot-hours needs --plot FILE")
     if args.plot_hours is not None and not (args.plot_hours > 0 and math.isfinite(args.plot_hours)):
         return _fail("simulate", f"--plot-hours must be > 0 and finite, got {args.plot_hours}")
+    if args.plot_hours is not None and args.plot_hours > MAX_PLOT_HOURS:
+        return _fail("simulate", f"need --plot-hours <= {MAX_PLOT_HOURS:,.0f}, got {args.plot_hours:g}")
     plot_file = None
     if args.plot:
-        from gyre_ray.sim.plot import plot_path
+        from gyre_ray.sim.plot import check_writable, plot_path
 
         try:
             plot_file = plot_path(args.plot)  # before the simulation, which can take minutes
+            check_writable(plot_file)
         except ValueError as exc:
             return _fail("simulate", f"--plot {exc}")
     if sim.tune_knobs and "elastic" in policies:
@@ -249,9 +254,13 @@ def _simulate_command(args: argparse.Namespace) -> int:
         from gyre_ray.sim.plot import plot_timelines
 
         title = f"{spec.name}: {steps} steps on {cells} cells, eta = {staleness}"
-        path = plot_timelines(
-            list(results.values()), plot_file, wl.capacity_per_cell(cells), title, args.plot_hours
-        )
+        try:
+            path = plot_timelines(
+                list(results.values()), plot_file, wl.capacity_per_cell(cells), title, args.plot_hours
+            )
+        except (OSError, ValueError) as exc:  # the folder went away, a full disk: the table stands
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+            return _fail("simulate", f"--plot {plot_file}: cannot write the plot ({reason})")
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
@@ -346,12 +355,17 @@ def simulation_report(
     }
     if "elastic" in results:
         elastic = results["elastic"].makespan_s
-        report["speedups"] = {
-            f"elastic_vs_{name}": round(r.makespan_s / elastic, 4)
+        report["speedups"] = {  # None: elastic took no time (a workload with nothing to do)
+            f"elastic_vs_{name}": round(r.makespan_s / elastic, 4) if elastic > 0 else None
             for name, r in results.items()
             if name != "elastic"
         }
     return report
+
+
+def _ratio_text(value: float | None, width: int = 7) -> str:
+    """`value` as `1.234` in `width` columns; `-` where it is None (a zero denominator: no work)."""
+    return f"{value:{width}.3f}" if value is not None else f"{'-':>{width}s}"
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -367,11 +381,11 @@ def format_report(report: dict[str, Any]) -> str:
         knobs = {k: v for k, v in row["knobs"].items() if k not in ("sweep_makespan_s", "duration_prior")}
         lines.append(
             f"{name:10s} {row['makespan_s'] / HOUR:10.2f} {row['makespan_s'] / HOUR / steps:7.3f} "
-            f"{row['lower_bound_s'] / HOUR:8.2f} {row['ratio_to_bound']:7.3f} {row['utilization']:6.1%} "
+            f"{row['lower_bound_s'] / HOUR:8.2f} {_ratio_text(row['ratio_to_bound'])} {row['utilization']:6.1%} "
             f"{row['mean_staleness']:6.2f} {row['switches']:8d}  {knobs or ''}"
         )
     for key, value in report.get("speedups", {}).items():
-        lines.append(f"{key.replace('_', ' ')}: {value:.3f}x")
+        lines.append(f"{key.replace('_', ' ')}: {'-' if value is None else f'{value:.3f}x'}")
     return "\n".join(lines)
 
 
@@ -459,7 +473,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     for x in sorted(layouts, key=lambda x: (x.nodes, x.cell_nodes)):
         print(
             f"{x.nodes:5d} {x.cell_nodes:10d} {x.cells:5d} {x.makespan_s / HOUR / args.steps:7.3f} "
-            f"{x.makespan_s / x.lower_bound_s:7.3f} {x.utilization:6.1%} {x.node_hours:8.1f}"
+            f"{_ratio_text(x.makespan_s / x.lower_bound_s if x.lower_bound_s > 0 else None)} "
+            f"{x.utilization:6.1%} {x.node_hours:8.1f}"
         )
     for n, x in picks.items():
         print(

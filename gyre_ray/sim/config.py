@@ -8,6 +8,10 @@ from pydantic import Field
 
 from gyre_ray.configbase import Section
 
+# Shortest micro-step the simulator takes (seconds; also a replayed run's costs.json): its clock
+# resolves 1e-6 s, and shorter micro-steps only multiply the events (1e-4 s: minutes per run).
+MIN_MICRO_STEP_S = 1e-3
+
 
 class SimSection(Section):
     """Simulator settings. Costs default to the reference paper where it gives them (switches)."""
@@ -45,5 +49,7 @@ class SimSection(Section):
         2.0, ge=0, description="Gradient reduction per extra cell that trained the batch (assumption)."
     )
     micro_step_s: float = Field(
-        60.0, gt=0, description="Largest training micro-step a cell claims (cell-seconds)."
+        60.0,
+        ge=MIN_MICRO_STEP_S,
+        description="Largest training micro-step a cell claims (cell-seconds; at least 0.001).",
     )

@@ -107,7 +107,7 @@ def plan_layouts(
                 progress(
                     f"{nodes} nodes as {cells} cells of {size} node{'s' if size > 1 else ''}: "
                     f"{result.makespan_s / 3600 / steps:.3f} h per step, "
-                    f"{result.makespan_s / result.lower_bound_s:.3f} x bound "
+                    f"{_times_bound(result.makespan_s, result.lower_bound_s)} "
                     f"({len(layouts) + 1}/{total}, {now - started:.1f} s, {now - began:.1f} s in all)"
                 )
             layouts.append(
@@ -122,6 +122,11 @@ def plan_layouts(
                 )
             )
     return sorted(layouts, key=lambda x: x.makespan_s)
+
+
+def _times_bound(makespan_s: float, lower_bound_s: float) -> str:
+    """`1.234 x bound`, or `- x bound` where the bound is 0 (a workload with no work)."""
+    return f"{makespan_s / lower_bound_s:.3f} x bound" if lower_bound_s > 0 else "- x bound"
 
 
 def _check_capacity(

@@ -35,6 +35,19 @@ def plot_path(path: str | Path) -> Path:
     return out
 
 
+def check_writable(out: Path) -> None:
+    """`ValueError` (one line) unless a plot can be written at `out`: a file is opened there for appending
+    (and removed again when it was not there before), as the check before a simulation of minutes."""
+    existed = out.exists()
+    try:
+        with out.open("ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{out}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        out.unlink(missing_ok=True)
+
+
 def _time_unit(horizon_s: float) -> tuple[float, str, str, str]:
     """(seconds per unit, symbol, name, number format) of the x axis of a plot `horizon_s` long: hours
     from 1 h, minutes from 10 min, else seconds (a replayed run of minutes read "0.1 h" against a bound
@@ -66,8 +79,8 @@ def plot_timelines(
     """Draw every result's cell-role timeline into one image at `plot_path(path)` (hours on the x axis,
     minutes or seconds for a plot shorter than 1 h or 10 min); returns the file written. `max_hours`, if
     given, must be finite and > 0 (ValueError)."""
-    if max_hours is not None and not (max_hours > 0 and math.isfinite(max_hours)):
-        raise ValueError(f"max_hours must be > 0 and finite, got {max_hours}")
+    if max_hours is not None and not (max_hours > 0 and math.isfinite(max_hours * 3600.0)):
+        raise ValueError(f"max_hours must be > 0 and finite in seconds, got {max_hours}")
     out = plot_path(path)
     import matplotlib
 
@@ -80,6 +93,7 @@ def plot_timelines(
     n_cells = max(r.n_cells for r in results)
     longest_s = max(r.makespan_s for r in results)
     horizon_s = max_hours * 3600.0 if max_hours else longest_s
+    horizon_s = horizon_s if horizon_s > 0 else 1.0  # runs that took no time: an axis of 1 s, not 0
     unit = _time_unit(horizon_s)  # the axis's; the titles' is the whole runs' (--plot-hours zooms the axis)
     fig, axes = plt.subplots(
         n, 1, figsize=(13, 1.0 + 0.42 * n_cells * n + 0.4 * n), sharex=True, squeeze=False

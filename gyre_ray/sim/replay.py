@@ -9,8 +9,10 @@ next to the measured one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +22,24 @@ from pydantic import ValidationError
 from gyre_ray.scheduling.config import SchedulerSection
 from gyre_ray.scheduling.duration_fit import FittedDurationModel, fit_duration_model
 from gyre_ray.scheduling.runtime import policy_knobs
+from gyre_ray.sim.cli import MAX_CELLS
+from gyre_ray.sim.config import MIN_MICRO_STEP_S
 from gyre_ray.sim.engine import SimCosts
-from gyre_ray.sim.workload import SampledWorkload, WorkloadError, sample_workload, spec_from_dict
+from gyre_ray.sim.workload import (
+    MAX_EXECUTIONS,
+    SampledWorkload,
+    WorkloadError,
+    sample_workload,
+    spec_from_dict,
+)
 
 TRACE_FILE, COSTS_FILE, CONFIG_FILE = "trace.jsonl", "costs.json", "config.json"
 DURATION_PRIOR_KEYS = ("mu_log_hours", "sigma_log_hours", "rho", "timeout_hours")  # the override's
 INT_KEYS = ("cells", "group_size", "executions_per_step", "steps", "staleness")
+# the most each integer may be: the cells `--cells` takes; the others what one simulation samples
+INT_LIMITS = {"cells": MAX_CELLS, "async_train_cells": MAX_CELLS} | {
+    k: MAX_EXECUTIONS for k in INT_KEYS if k != "cells"
+}
 COST_NUMBERS = (  # measured costs in costs.json (the runtime writes them: runtime/report.py)
     "capacity_per_cell",
     "switch_to_train_s",
@@ -80,17 +94,29 @@ def read_costs(path: Path) -> RunCosts:
     for key in ("cells", "group_size", "executions_per_step", "steps"):
         if ints[key] < 1:
             raise WorkloadError(f"{path}: {key!r} must be >= 1, got {ints[key]}")
+    for key, value in ints.items():
+        if value > INT_LIMITS[key]:
+            raise WorkloadError(f"{path}: {key!r} must be <= {INT_LIMITS[key]:,}, got {data[key]!r}")
     if ints["executions_per_step"] % ints["group_size"]:
         raise WorkloadError(
             f"{path}: 'executions_per_step' ({ints['executions_per_step']}) is not a multiple of "
             f"'group_size' ({ints['group_size']})"
         )
-    if costs["capacity_per_cell"] <= 0 or costs["micro_step_s"] <= 0:
-        raise WorkloadError(f"{path}: 'capacity_per_cell' and 'micro_step_s' must be > 0")
+    if costs["capacity_per_cell"] <= 0:
+        raise WorkloadError(f"{path}: 'capacity_per_cell' must be > 0, got {costs['capacity_per_cell']:g}")
+    if 0 < costs["micro_step_s"] < MIN_MICRO_STEP_S:  # 0: the run trained nothing (`replay_costs`)
+        raise WorkloadError(
+            f"{path}: 'micro_step_s' must be >= {MIN_MICRO_STEP_S:g} s (the simulator's shortest micro-step), "
+            f"or 0 for a run that trained nothing; got {costs['micro_step_s']:g}"
+        )
     if data["policy"] not in _POLICIES:
         raise WorkloadError(f"{path}: 'policy' must be one of {', '.join(_POLICIES)}, got {data['policy']!r}")
     split = data.get("async_train_cells")
     split = None if split is None else _number(split, "async_train_cells", path, integer=True)
+    if split is not None and split > MAX_CELLS:
+        raise WorkloadError(
+            f"{path}: 'async_train_cells' must be <= {MAX_CELLS:,}, got {data['async_train_cells']!r}"
+        )
     sim = SimCosts(
         **{k: costs[k] for k in COST_NUMBERS if k in SimCosts.__dataclass_fields__},
     )
@@ -143,13 +169,16 @@ def run_workload(run_dir: Path, cells: int, costs: RunCosts) -> SampledWorkload:
     Training work per kept trajectory is the measured cell-seconds on the run's own cells, turned
     into cluster-seconds (the simulator's unit), so a replay on another cell count keeps the device
     budget. A trace without `trajectories` counts each execution once at `train_cell_s_per_execution`.
+    `WorkloadError` when the trace does not hold the run `costs` describe (`check_trace_steps`).
     """
     trace = run_dir / TRACE_FILE
     if not trace.is_file():
         raise WorkloadError(f"{trace} not found (a run folder needs {TRACE_FILE} and {COSTS_FILE})")
     from gyre_ray.sim.traces import read_trace
 
-    counted = read_trace(trace)[0]["trajectories"] is not None  # on every record or none
+    records = read_trace(trace)
+    check_trace_steps(trace, records, costs)
+    counted = records[0]["trajectories"] is not None  # on every record or none
     per_unit = costs.train_cell_s_per_trajectory if counted else costs.train_cell_s_per_execution
     per_trajectory = per_unit / costs.cells
     spec = spec_from_dict(
@@ -170,6 +199,57 @@ def run_workload(run_dir: Path, cells: int, costs: RunCosts) -> SampledWorkload:
     if cells != costs.cells and wl.capacity_per_cell(cells) < 1:
         raise WorkloadError(f"{cells} cells leave under one execution of capacity per cell")
     return wl
+
+
+def check_trace_steps(trace: Path, records: list[dict[str, Any]], costs: RunCosts) -> None:
+    """`WorkloadError` unless the trace holds the run `costs.json` describes: `steps` recorded steps of
+    `executions_per_step` executions each (a real run writes one row per planned execution: a dropped
+    one, one started again as `r1.<id>` and, after a resume, the earlier segments' included). A trace
+    without `step` is one step, replayed at every step, so it must hold one step's executions."""
+    per_step = costs.executions_per_step
+    why = "a trace cut short or of another run cannot predict the measured makespan"
+    if records[0]["step"] is None:
+        if len(records) != per_step:
+            raise WorkloadError(
+                f"{trace}: its records have no 'step', so it is one step replayed at every step, but it holds "
+                f"{len(records)} executions where {COSTS_FILE} says executions_per_step = {per_step}; "
+                "give each record its 'step'"
+            )
+        return
+    counts = Counter(r["step"] for r in records)
+    if len(counts) != costs.steps:
+        raise WorkloadError(
+            f"{trace}: holds {len(counts)} recorded step(s) ({_step_span(counts)}) where {COSTS_FILE} says "
+            f"steps = {costs.steps}; {why}"
+        )
+    wrong = sorted(step for step, n in counts.items() if n != per_step)
+    if wrong:
+        listed = ", ".join(f"step {s}: {counts[s]}" for s in wrong[:3]) + (", ..." if len(wrong) > 3 else "")
+        raise WorkloadError(
+            f"{trace}: {len(wrong)} recorded step(s) hold other than {COSTS_FILE}'s executions_per_step = "
+            f"{per_step} executions ({listed}); {why}"
+        )
+
+
+def _step_span(counts: Counter) -> str:
+    """`steps 0 .. 4` (or `step 3`) of a trace's recorded steps."""
+    low, high = min(counts), max(counts)
+    return f"step {low}" if low == high else f"steps {low} .. {high}"
+
+
+def replay_costs(costs: RunCosts, wl: SampledWorkload, path: Path) -> SimCosts:
+    """The costs a replay simulates: the run's, with the default micro-step where the run measured none
+    (`micro_step_s` 0: no micro-step ran, as in a run that trained nothing: no trajectory kept, or no
+    training time measured); `WorkloadError` naming `path` when the run has training work."""
+    if costs.sim.micro_step_s > 0:
+        return costs.sim
+    measured = costs.train_cell_s_per_trajectory or costs.train_cell_s_per_execution
+    if measured > 0 and wl.trajectories.sum() > 0:
+        raise WorkloadError(
+            f"{path}: 'micro_step_s' is 0 (no micro-step measured) but the run has training work (trajectories "
+            f"kept, train_cell_s_per_* > 0); give the run's micro-step, >= {MIN_MICRO_STEP_S:g} s"
+        )
+    return dataclasses.replace(costs.sim, micro_step_s=SimCosts.micro_step_s)
 
 
 def run_scheduler_section(run_dir: Path) -> SchedulerSection:
@@ -256,6 +336,7 @@ def predict_run(
                 f"give --cells > {split} or scheduler.async_train_cells=K with K < {cells}"
             )
     wl = run_workload(run_dir, cells, costs)
+    sim_costs = replay_costs(costs, wl, run_dir / COSTS_FILE)
     fit = _fit(wl)
     fitted_prior = None if isinstance(fit, str) else fit.prior()
     same_run = cells == costs.cells and staleness == costs.staleness
@@ -265,7 +346,7 @@ def predict_run(
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(_POLICIES)}")
         as_run = section.model_copy(update={"policy": name, "async_train_cells": split})
         policy, knobs = policy_knobs(as_run, cells, fitted_prior)
-        result = run_policy(wl, policy, cells, staleness, costs.sim, **knobs)
+        result = run_policy(wl, policy, cells, staleness, sim_costs, **knobs)
         row = {
             "predicted_makespan_s": round(result.makespan_s, 3),
             "lower_bound_s": round(result.lower_bound_s, 3),

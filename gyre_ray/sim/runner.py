@@ -27,7 +27,7 @@ from gyre_ray.scheduling.elastic import PREFETCH_MODES
 from gyre_ray.scheduling.launch_order import DurationPrior
 from gyre_ray.sim.bound import lower_bound
 from gyre_ray.sim.config import SimSection
-from gyre_ray.sim.engine import SimCosts, Simulator
+from gyre_ray.sim.engine import SimCosts, SimulationError, Simulator
 from gyre_ray.sim.timeline import SimResult
 from gyre_ray.sim.workload import SampledWorkload
 
@@ -83,6 +83,11 @@ def _run(
     if result is None:
         return None
     result.lower_bound_s = lower_bound(wl, n_cells, eta, costs.optimizer_step_s).total_s
+    if not (math.isfinite(result.makespan_s) and math.isfinite(result.lower_bound_s)):
+        raise SimulationError(
+            f"{policy}: makespan {result.makespan_s:g} s, bound {result.lower_bound_s:g} s: not finite; "
+            "the workload's durations or the sim.* costs are too large"
+        )
     result.label = label or policy
     result.knobs = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in knobs.items()}
     return result
@@ -183,6 +188,7 @@ def _run_candidates(
     """`elastic` with each candidate's knobs, by label in candidate order; `jobs` processes at once."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    jobs = min(jobs, len(candidates))  # a process more than the candidates would only start and wait
     pool = None
     if jobs > 1 and len(candidates) > 1:
         try:

@@ -148,6 +148,12 @@ class SimResult:
             "switches": self.switches,
             "max_staleness": self.max_staleness,
             "staleness_bound": self.staleness_bound,
-            "ratio_to_bound": round(self.makespan_s / self.lower_bound_s, 4) if self.lower_bound_s else None,
+            "ratio_to_bound": ratio_or_none(self.makespan_s, self.lower_bound_s),
             "knobs": self.knobs,
         }
+
+
+def ratio_or_none(numerator: float, denominator: float) -> float | None:
+    """`numerator / denominator` rounded to 4 places; None when the denominator is 0 (a workload with no
+    work has a lower bound of 0: there is no ratio to show)."""
+    return round(numerator / denominator, 4) if denominator > 0 else None

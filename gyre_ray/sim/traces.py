@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from gyre_ray.sim.workload import MAX_EXECUTIONS, WorkloadError
+from gyre_ray.sim.workload import MAX_DURATION_HOURS, MAX_EXECUTIONS, WorkloadError
 
 _FIELDS = ("start", "end", "task", "step", "timed_out", "trajectories")
 _ACCEPTED = ("execution", "id", "exec_id", "calls", "tokens", "dropped", "version", "reward", "runner")
@@ -51,6 +51,21 @@ def _time_value(value: Any, field: str, where: str) -> float:
             f"{where}: field {field!r} must be finite seconds or an ISO-8601 time, got {value!r}"
         )
     return seconds
+
+
+def _step_value(value: Any, where: str) -> int:
+    """The integer of a `step` field (a JSON integer, an integral number or a CSV digit string); else
+    WorkloadError naming the record: `1.7` or `true` is no step."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise WorkloadError(f"{where}: field 'step' must be an integer, got {value!r}")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise WorkloadError(f"{where}: field 'step' must be an integer, got {value!r}")
+        return int(value)
+    try:
+        return int(value)
+    except ValueError:
+        raise WorkloadError(f"{where}: field 'step' must be an integer, got {value!r}") from None
 
 
 def _bool_value(value: Any, where: str) -> bool:
@@ -91,7 +106,7 @@ def _raw_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(location, fields) of every record of a CSV or JSONL trace, unvalidated."""
     raw: list[tuple[str, dict[str, Any]]] = []
     if path.suffix.lower() == ".csv":
-        with path.open(newline="", encoding="utf-8") as handle:
+        with path.open(newline="", encoding="utf-8-sig") as handle:  # -sig: drops a BOM (spreadsheets)
             reader = csv.DictReader(handle)
             missing = [f for f in ("start", "end") if f not in (reader.fieldnames or [])]
             if missing:
@@ -101,7 +116,7 @@ def _raw_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
                     raise WorkloadError(f"{path}:{line_no}: more values than header columns")
                 raw.append((f"{path}:{line_no}", {k: v for k, v in row.items() if v not in (None, "")}))
     else:
-        for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for line_no, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -126,12 +141,15 @@ def _trace_record(obj: dict[str, Any], where: str) -> dict[str, Any]:
     end = _time_value(obj["end"], "end", where)
     if end < start:
         raise WorkloadError(f"{where}: field 'end' ({obj['end']!r}) is before 'start' ({obj['start']!r})")
+    duration_s = end - start
+    if not duration_s <= MAX_DURATION_HOURS * 3600.0:  # also inf: two finite times far apart
+        raise WorkloadError(
+            f"{where}: execution lasts {duration_s:g} s (end - start); the simulator takes at most "
+            f"{MAX_DURATION_HOURS * 3600.0:g} s ({MAX_DURATION_HOURS:,.0f} hours)"
+        )
     step = obj.get("step")
     if step is not None:
-        try:
-            step = int(step)
-        except (TypeError, ValueError):
-            raise WorkloadError(f"{where}: field 'step' must be an integer, got {step!r}") from None
+        step = _step_value(step, where)
     trajectories = obj.get("trajectories")
     if trajectories is not None:
         if isinstance(trajectories, bool) or not isinstance(trajectories, (int, str)):
@@ -147,7 +165,7 @@ def _trace_record(obj: dict[str, Any], where: str) -> dict[str, Any]:
         if trajectories < 0:
             raise WorkloadError(f"{where}: field 'trajectories' must be an integer >= 0, got {trajectories}")
     return {
-        "duration_s": end - start,
+        "duration_s": duration_s,
         "trajectories": trajectories,
         "task": None if obj.get("task") is None else str(obj["task"]),
         "step": step,

@@ -32,6 +32,13 @@ class WorkloadError(ValueError):
 # Most executions one simulation samples (steps x tasks_per_step x group_size): 1.2 GB at peak to
 # sample, and 400 x the default's 49,152 (nl2repo, 48 steps; one simulation of it takes seconds).
 MAX_EXECUTIONS = 20_000_000
+# Longest execution (a timeout, a recorded duration) the simulator takes: 114 years, so that sums over
+# 20 million executions, their training work and every cost stay finite.
+MAX_DURATION_HOURS = 1_000_000.0
+# Most trajectories one execution keeps (`trajectories.budget`): a tree of paths per execution.
+MAX_BUDGET = 1_000_000
+# Largest log-sd of per-execution demand: at 3 the median execution already needs 1% of a unit.
+MAX_DEMAND_SIGMA = 3.0
 
 
 class _Strict(BaseModel):
@@ -44,7 +51,9 @@ class DurationModel(_Strict):
     mu_log_hours: float = Field(description="Mean of log duration (log hours).")
     sigma_log_hours: float = Field(ge=0, description="Standard deviation of log duration (log hours).")
     rho: float = Field(0.6, ge=0, le=1, description="Share of log-duration variance common to a task.")
-    timeout_hours: float = Field(gt=0, description="Wall-clock cap T: executions end (timed out) at T.")
+    timeout_hours: float = Field(
+        gt=0, le=MAX_DURATION_HOURS, description="Wall-clock cap T: executions end (timed out) at T."
+    )
     runaway_fraction: float = Field(
         0.0, ge=0, le=1, description="Probability that an execution runs away and hits the timeout."
     )
@@ -61,7 +70,7 @@ class TrajectoryModel(_Strict):
     """How many trajectories an execution's tree keeps: K = min(budget, 1 + floor(d / tau))."""
 
     tau_hours: float = Field(1.13, gt=0, description="Hours of execution per extra kept trajectory.")
-    budget: int = Field(5, ge=1, description="Most trajectories kept per execution.")
+    budget: int = Field(5, ge=1, le=MAX_BUDGET, description="Most trajectories kept per execution.")
 
 
 class WorkloadSpec(_Strict):
@@ -86,7 +95,10 @@ class WorkloadSpec(_Strict):
         None, gt=0, description="Executions the whole cluster can host at once (default: one step's)."
     )
     demand_sigma: float = Field(
-        0.0, ge=0, description="Log-sd of per-execution model demand (mean 1); 0 = every execution 1 unit."
+        0.0,
+        ge=0,
+        le=MAX_DEMAND_SIGMA,
+        description="Log-sd of per-execution model demand (mean 1); 0 = every execution 1 unit.",
     )
 
     @model_validator(mode="after")
@@ -151,9 +163,11 @@ class SampledWorkload:
 
 
 def trajectories_for(duration_s: np.ndarray, model: TrajectoryModel) -> np.ndarray:
-    """K = min(budget, 1 + floor(d / tau)) for each duration."""
-    k = 1 + np.floor(duration_s / (model.tau_hours * 3600.0)).astype(np.int64)
-    return np.minimum(k, model.budget)
+    """K = min(budget, 1 + floor(d / tau)) for each duration (in float, then cast: a tiny tau gives the
+    budget, never an integer overflow)."""
+    with np.errstate(over="ignore"):  # d / tau beyond float range is inf: K is then the budget
+        k = np.minimum(1.0 + np.floor(duration_s / (model.tau_hours * 3600.0)), float(model.budget))
+    return k.astype(np.int64)
 
 
 def sample_workload(
@@ -178,6 +192,11 @@ def sample_workload(
     else:
         duration_s, batch, group, timed_out = _synthetic(spec, steps, rng)
         kept = np.full(duration_s.size, -1, dtype=np.int64)
+    if not np.isfinite(duration_s).all():  # the timeout and the trace reader bound them: a bug if seen
+        raise WorkloadError(
+            f"workload {spec.name}: an execution duration is not finite; durations must be finite seconds "
+            f"(duration.timeout_hours <= {MAX_DURATION_HOURS:,.0f}, a trace's end - start likewise)"
+        )
     n = duration_s.size
     if spec.demand_sigma > 0:
         s = spec.demand_sigma
@@ -226,10 +245,11 @@ def _synthetic(spec: WorkloadSpec, steps: int, rng: np.random.Generator) -> tupl
     g, n = spec.tasks_per_step, spec.group_size
     z_task = rng.standard_normal((steps, g, 1))
     z_exec = rng.standard_normal((steps, g, n))
-    log_h = dur.mu_log_hours + dur.sigma_log_hours * (
-        math.sqrt(dur.rho) * z_task + math.sqrt(1.0 - dur.rho) * z_exec
-    )
-    hours = np.exp(log_h).reshape(-1)
+    with np.errstate(over="ignore"):  # beyond float range: inf hours, capped at the timeout below
+        log_h = dur.mu_log_hours + dur.sigma_log_hours * (
+            math.sqrt(dur.rho) * z_task + math.sqrt(1.0 - dur.rho) * z_exec
+        )
+        hours = np.exp(log_h).reshape(-1)
     if dur.runaway_fraction > 0:
         runaway = rng.random(hours.size) < dur.runaway_fraction
         hours = np.where(runaway, dur.timeout_hours, hours)
