@@ -59,6 +59,23 @@ def test_codex_turn_metadata_names_summaries_and_sub_agents(headers: dict, role:
     assert codex_role(headers) == role
 
 
+def test_the_prompt_follows_a_double_dash_and_a_root_harness_gets_is_sandbox(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A prompt starting with "-" stopped both CLIs at argument parsing (every execution dropped);
+    `agents.command` starting Claude Code as root lacked IS_SANDBOX, which it needs there."""
+    monkeypatch.setenv("CLAUDE_CODE_BIN", "/bin/true")
+    monkeypatch.setenv("CODEX_BIN", "/bin/true")
+    kw = {"base_url": "http://127.0.0.1:7/", "workspace": tmp_path / "ws", "home": tmp_path / "h"}
+    for harness in ("claude-code", "codex"):
+        spec = build_harness(harness, "- build it", as_root=False, extra_args=["--tools", "Write"], **kw)
+        assert spec.command[-2:] == ["--", "- build it"] and spec.command[-4:-2] == ["--tools", "Write"]
+    template = ["claude", "-p", "{prompt}", "--dangerously-skip-permissions"]
+    assert build_harness("command", "p", template=template, as_root=True, **kw).env == {"IS_SANDBOX": "1"}
+    assert build_harness("command", "p", template=template, as_root=False, **kw).env == {}
+    assert "request_max_retries = 4" in codex_config("http://x/v1")  # a 429 / 503 is retried
+
+
 def test_harness_command_lines(tmp_path: Path) -> None:
     kw = {"base_url": "http://127.0.0.1:7/", "workspace": tmp_path / "ws", "home": tmp_path / "h"}
     spec = build_harness(

@@ -55,8 +55,8 @@ def test_claude_code_as_root_runs_unprivileged_and_earns_partial_credit(exec_tmp
     )
     try:
         created = served.proxy.register_execution("cc-0")
-        spec = build_harness(
-            "claude-code", task.prompt, base_url=served.base_url, workspace=workspace,
+        spec = build_harness(  # a prompt that starts with "-" is no option (`claude -p` refused it)
+            "claude-code", "- " + task.prompt, base_url=served.base_url, workspace=workspace,
             home=workspace.parent / "cc-0.home", as_root=False, extra_args=["--tools", "Write"],
         )  # fmt: skip
         out = run_execution(

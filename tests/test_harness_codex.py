@@ -49,7 +49,10 @@ def test_codex_exec_completes_an_execution_with_a_tool_call_round_trip(exec_tmp:
     try:
         created = served.proxy.register_execution()
         workspace = exec_tmp / "workspaces" / created["execution_id"]
-        task = Task("vowels", "CODEX_TASK: write the vowels to answer.txt", char_coverage_evaluator("aeiou"))
+        # a prompt that starts with "-" (a markdown list) is no option: `codex exec` refused it before
+        task = Task(
+            "vowels", "-\nCODEX_TASK: write the vowels to answer.txt", char_coverage_evaluator("aeiou")
+        )
         spec = build_harness(
             "codex", task.prompt, base_url=served.base_url, workspace=workspace,
             home=workspace.parent / f"{workspace.name}.home", as_root=False,

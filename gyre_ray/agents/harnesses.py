@@ -1,10 +1,12 @@
 """The harnesses an execution can run: what command starts each, with which variables and HOME files.
 
 - `toy`: the built-in OpenAI-API agent (`gyre_ray.agents.toy_agent`).
-- `claude-code`: `claude -p PROMPT --dangerously-skip-permissions` against the proxy's Anthropic API.
-  Claude Code refuses that flag as root; the sandbox runs it as an unprivileged uid of its own, and
-  where it cannot (no root to create users) and the job is root, `IS_SANDBOX=1` is set instead.
-- `codex`: `codex exec` against the proxy's Responses API, its provider written to `$HOME/.codex/config.toml`.
+- `claude-code`: `claude -p --dangerously-skip-permissions -- PROMPT` against the proxy's Anthropic
+  API. Claude Code refuses that flag as root; the sandbox runs it as an unprivileged uid of its own,
+  and where the harness runs as root all the same (`isolation=none`, or `auto` without `useradd`),
+  `IS_SANDBOX=1` is set (for `command` too, which may start it).
+- `codex`: `codex exec ... -- PROMPT` against the proxy's Responses API, its provider written to
+  `$HOME/.codex/config.toml` (retrying a 429 / 503 as Codex does by default).
 - `command`: any agent CLI from `agents.command`, a list whose items may hold `{prompt}`,
   `{workspace}`, `{home}`, `{openai_base_url}`, `{anthropic_base_url}` (bare: no attribute, index,
   conversion or format spec; `{{`/`}}` for a literal brace; the first item a program name or an
@@ -104,7 +106,9 @@ def codex_config(openai_base_url: str) -> str:
         f'base_url = "{openai_base_url}"\n'
         f'env_key = "{KEY_VAR}"\n'
         'wire_api = "responses"\n'
-        "request_max_retries = 0\nstream_max_retries = 0\n"
+        # a 429 / 503 from the proxy (a full queue, a drain, a lost replica) is retryable: Codex's
+        # own defaults (4 and 5); with 0 one such answer ended the execution on a partial workspace
+        "request_max_retries = 4\nstream_max_retries = 5\n"
     )
 
 
@@ -148,6 +152,9 @@ def build_harness(
 ) -> HarnessSpec:
     """The spec that starts `harness` on `prompt`; `as_root`: the harness will run with uid 0."""
     extra = list(extra_args or [])
+    # Claude Code refuses --dangerously-skip-permissions as root unless IS_SANDBOX=1 (HARNESS-NOTES),
+    # also when `agents.command` starts it
+    sandbox_env = {"IS_SANDBOX": "1"} if as_root else {}
     openai_url = base_url.rstrip("/") + "/v1"
     anthropic_url = base_url.rstrip("/")
     if harness == "toy":
@@ -156,17 +163,31 @@ def build_harness(
         claude = claude_binary()
         if claude is None:
             raise FileNotFoundError(_not_installed(harness))
-        env = {"IS_SANDBOX": "1"} if as_root else {}
-        return HarnessSpec([claude, "-p", prompt, "--dangerously-skip-permissions", *extra], env)
+        # `--` before the prompt: one that starts with "-" (a markdown list) is no option, and no
+        # multi-value option in `extra` takes it as a value
+        return HarnessSpec(
+            [claude, "-p", "--dangerously-skip-permissions", *extra, "--", prompt], sandbox_env
+        )
     if harness == "codex":
         codex = codex_binary()
         if codex is None:
             raise FileNotFoundError(_not_installed(harness))
-        command = [codex, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", *extra, prompt]
+        command = [
+            codex,
+            "exec",
+            "--skip-git-repo-check",
+            "--sandbox",
+            "workspace-write",
+            *extra,
+            "--",
+            prompt,
+        ]
         return HarnessSpec(command, {}, {".codex/config.toml": codex_config(openai_url)})
     if harness == "command":
         if not template:
             raise ValueError("agents.harness=command needs agents.command (a list of arguments)")
         values = command_values(prompt, workspace, home, openai_url, anthropic_url)
-        return HarnessSpec([part.format_map(values) for part in check_command_template(template)])
+        return HarnessSpec(
+            [part.format_map(values) for part in check_command_template(template)], sandbox_env
+        )
     raise ValueError(f"unknown harness {harness!r}; known: {', '.join(HARNESSES)}")
