@@ -16,6 +16,7 @@ from gyre_ray.model import load_policy
 from gyre_ray.model.chat_template import parse_assistant_output
 from gyre_ray.model.kv_cache import KVCache
 from gyre_ray.proxy.codec import ChatCodec
+from gyre_ray.trainers.master import MasterWeights
 from gyre_ray.warmup.sft import (
     DONE_FILE,
     _buckets,
@@ -81,6 +82,24 @@ def test_supervised_pass_lowers_the_reply_loss(transcripts: list) -> None:
     losses = supervised_pass(model, transcripts, steps=12, lr=3e-3, batch_size=4, seed=0)
     assert losses[0] > 8.0  # about log(8192) for a random policy
     assert sum(losses[-3:]) / 3 < losses[0] - 3.0, losses
+
+
+def test_a_bfloat16_warm_up_steps_float32_master_weights(transcripts: list, monkeypatch) -> None:
+    """As the trainers (tests/test_trainer_torch.py): AdamW on bfloat16 weights in place rounds small
+    updates away. The warm-up of a bfloat16 model steps float32 copies and rounds them back."""
+    model, _, _ = load_policy(load_config(None, ["model.dtype=bfloat16"]).model)
+    start = {k: v.detach().float().clone() for k, v in model.named_parameters()}
+    steps: list[int] = []
+    real = MasterWeights.step
+
+    def counted(self, optimizer):
+        steps.append(1)
+        return real(self, optimizer)
+
+    monkeypatch.setattr(MasterWeights, "step", counted)
+    supervised_pass(model, transcripts, steps=2, lr=3e-3, batch_size=2, seed=0)
+    assert len(steps) == 2 and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert any(not torch.equal(p.float(), start[k]) for k, p in model.named_parameters())
 
 
 def test_prepare_policy_trains_once_then_reuses(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gyre_ray.trainers.master import MasterWeights
+
 if TYPE_CHECKING:
     from gyre_ray.config import GyreConfig
     from gyre_ray.warmup.transcripts import Transcript
@@ -93,7 +95,9 @@ def supervised_pass(
 
     rng = random.Random(seed)
     buckets = _buckets(transcripts)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    params = dict(model.named_parameters())
+    master = MasterWeights(params) if MasterWeights.needed(params) else None  # a bfloat16 model
+    optimizer = torch.optim.AdamW(master.tensors() if master else params.values(), lr=lr, weight_decay=0.0)
     # linear decay to a tenth: the last steps settle the weights the rollouts will sample from
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1.0 - 0.9 * i / max(1, steps - 1))
     pad_id = model.args.pad_token_id or 0
@@ -112,10 +116,14 @@ def supervised_pass(
         hidden = model.hidden_states(ids, None, None, cache if start else None)[mask]
         targets = ids[:, 1:][mask[:, :-1]]
         loss = torch.nn.functional.cross_entropy(model.lm_head(hidden).float(), targets)
-        optimizer.zero_grad(set_to_none=True)
+        for param in params.values():
+            param.grad = None
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        if master is not None:  # float32 copies stepped, rounded back (`gyre_ray.trainers.master`)
+            master.step(optimizer)
+        else:
+            optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
         if progress is not None:
