@@ -127,7 +127,10 @@ def problem(checkpoint: str | Path) -> str | None:
 
     checkpoint = Path(checkpoint)
     try:
-        step = json.loads((checkpoint / STATE_FILE).read_text())["step"]
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        if not isinstance(state, dict) or "step" not in state:
+            return f"{STATE_FILE} holds no step number"
+        step = state["step"]
         if not is_int(step) or step < 0:
             raise ValueError(f"its step is {json.dumps(step)}, not a JSON integer >= 0")
     except FileNotFoundError:

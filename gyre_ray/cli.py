@@ -80,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     cfg = sub.add_parser("config", help="validate a config and print it (or describe every field)")
     cfg.add_argument("--config", default=None, help="YAML config file")
-    cfg.add_argument("--describe", action="store_true", help="list every field with default and meaning")
+    cfg.add_argument(
+        "--describe",
+        action="store_true",
+        help="list every field with its default and meaning (the defaults, whatever --config and overrides say; "
+        "without --describe: the config they make)",
+    )
     cfg.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-5")
     cfg.set_defaults(handler=_config_command)
     for name in COMMAND_MODULES:

@@ -52,7 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "runs", help="list the run folders: status, steps, reward, what to do next"
     )
     parser.add_argument(
-        "root", nargs="?", default="runs", help="the folder holding run folders (run.run_dir)"
+        "root",
+        nargs="?",
+        default="runs",
+        help="the folder holding run folders (default: runs, the default run.run_dir)",
     )
     parser.add_argument("--json", action="store_true", help="print the list as JSON")
     parser.set_defaults(handler=_runs_command)

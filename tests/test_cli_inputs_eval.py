@@ -52,7 +52,12 @@ def _with_damaged_newest(good_run: Path, tmp_path: Path, state: str) -> Path:
 
 @pytest.mark.parametrize(
     ("state", "why"),
-    [("{garbage", "JSONDecodeError"), ('{"step": "x"}', "ValueError"), ("[4]", "TypeError")],
+    [
+        ("{garbage", "does not read (JSONDecodeError"),
+        ('{"step": "x"}', "does not read (ValueError"),
+        ("[4]", "holds no step number"),
+        ("{}", "holds no step number"),
+    ],  # fmt: skip
 )
 def test_eval_run_skips_a_damaged_newest_checkpoint_as_resume_does(
     good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
@@ -70,9 +75,7 @@ def test_eval_run_skips_a_damaged_newest_checkpoint_as_resume_does(
     assert code == 0 and json.loads(out) == ROW  # stdout stays the JSON: the warning is on stderr
     damaged = run_dir / CHECKPOINTS / checkpoint_name(4)
     warning = err.splitlines()[0]
-    assert warning.startswith(
-        f"gyre-ray: warning: skipping damaged checkpoint {damaged}: {STATE_FILE} does not"
-    )
+    assert warning.startswith(f"gyre-ray: warning: skipping damaged checkpoint {damaged}: {STATE_FILE} ")
     assert why in warning and "Traceback" not in err
     assert calls == [(run_dir / CHECKPOINTS / checkpoint_name(3) / TRAINER_DIR, 3)]
 

@@ -129,11 +129,18 @@ def register(subparsers: Any) -> None:
         "plan", help="sweep cluster and cell sizes for a workload; recommend a layout"
     )
     plan.add_argument("--workload", default=None, help="preset or YAML/JSONL/CSV file (default sim.workload)")
-    plan.add_argument("--nodes", type=_csv_ints, default=[32], help="cluster size(s) in nodes, e.g. 16,32")
     plan.add_argument(
-        "--reference-nodes", type=int, default=None, help="nodes the workload's capacity/training refer to"
+        "--nodes", type=_csv_ints, default=[32], help="cluster size(s) in nodes, e.g. 16,32 (default 32)"
     )
-    plan.add_argument("--min-cell-nodes", type=int, default=1, help="nodes one trainer replica needs")
+    plan.add_argument(
+        "--reference-nodes",
+        type=int,
+        default=None,
+        help="nodes the workload's capacity/training refer to (default: the first --nodes)",
+    )
+    plan.add_argument(
+        "--min-cell-nodes", type=int, default=1, help="nodes one trainer replica needs (default 1)"
+    )
     plan.add_argument(
         "--cell-nodes", type=_csv_ints, default=None, help="cell sizes to try (default: divisors)"
     )
@@ -478,7 +485,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     for n, x in picks.items():
         print(
-            f"recommended for {n} nodes: {x.cells} cells of {x.cell_nodes} nodes "
+            f"recommended for {n} nodes: {x.cells} cells of {x.cell_nodes} node{'s' if x.cell_nodes != 1 else ''} "
             f"({x.makespan_s / HOUR / args.steps:.3f} h per step)"
         )
     return 0
