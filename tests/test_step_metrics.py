@@ -107,3 +107,36 @@ def test_words_task_set_targets_two_pool_words(tmp_path: Path) -> None:
         (tmp_path / "answer.txt").write_text(" ".join(WORD_POOL))
         assert task.evaluate(tmp_path).reward == pytest.approx(2 / len(WORD_POOL))
     assert word_share_evaluator(("hour",))(tmp_path / "missing").reward == 0.0
+
+
+def test_a_switch_running_across_a_publish_is_listed_in_the_step_it_ended(monkeypatch) -> None:
+    """A switch's event is kept when the switch ends, stamped with its start: one that began before a
+    publish and ended after it was in neither step's `switches` (the run's list had it)."""
+    from types import SimpleNamespace
+
+    import gyre_ray.runtime.recorder as recorder
+    from gyre_ray.runtime.recorder import RunRecorder
+    from gyre_ray.runtime.stream import MicroBatchStream
+    from gyre_ray.runtime.work import Update
+    from gyre_ray.scheduling.runtime import ExecutionLedger
+
+    monkeypatch.setattr(recorder, "outcome_metrics", lambda outcomes: {})
+    rec = RunRecorder(["c0", "c1"])
+    outcome = SimpleNamespace(valid=True, timed_out=False, reward=1.0, duration_s=1.0, error=None)
+    streams = {0: MicroBatchStream(), 1: MicroBatchStream()}
+    for stream in streams.values():
+        stream.seal()
+    planned = [SimpleNamespace(task=SimpleNamespace(task_id="t"))] * 2
+    sched = SimpleNamespace(
+        ledger=ExecutionLedger.planned([0, 1]), streams=streams, token_versions={}, planned=planned
+    )
+    for e in (0, 1):
+        rec.launched(e, 0.0, 0)
+        rec.ended(e, 1.0, outcome)
+    before = {"cell": "c0", "direction": "train->rollout", "at_s": 2.0, "seconds": 1.0, "batch": 0}
+    rec.switched("to_rollout", 1.0, before)  # 2 .. 3: step 0's
+    first = rec.step_done(sched, Update(0, "publish", 0.0, metrics={"version": 1}, version=1), 6.0)
+    across = {"cell": "c1", "direction": "rollout->train", "at_s": 5.0, "seconds": 2.0, "batch": 0}
+    rec.switched("to_train", 2.0, across)  # began at 5, before step 0's publish at 6; ended at 7
+    second = rec.step_done(sched, Update(1, "publish", 6.0, metrics={"version": 2}, version=2), 10.0)
+    assert first["switches"] == [before] and second["switches"] == [across]

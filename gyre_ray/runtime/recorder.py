@@ -186,7 +186,9 @@ class RunRecorder:
         window = (self.train_start.get(b, update.since), now)
         later = [(self.start[e], self.end.get(e, now)) for e in self.start if sched.ledger.batch_of[e] > b]
         early = [e for e in self.start if sched.ledger.batch_of[e] > b]
-        switches = [e for e in self.events if self.last_publish < e["at_s"] <= now]
+        # each switch in the step in which it ended (an event is kept when its switch ends, stamped
+        # with its start: one that began before the last publish and ended after it is this step's)
+        switches = [e for e in self.events if self.last_publish < e["at_s"] + e.get("seconds", 0.0) <= now]
         metrics: dict[str, Any] = {
             "step": b,
             "executions": len(outcomes),
