@@ -212,13 +212,9 @@ def mark_driver(run_dir: Path) -> None:
 
 def clear_driver(run_dir: Path) -> None:
     """The run's driver is ending: remove its `driver.json` (only its own)."""
-    path = run_dir / DRIVER_FILE
-    try:
-        mine = json.loads(path.read_text()).get("pid") == os.getpid()
-    except (OSError, ValueError, AttributeError):
-        mine = False
-    if mine:
-        path.unlink(missing_ok=True)
+    driver = recorded_driver(run_dir)
+    if driver is not None and driver.get("pid") == os.getpid():
+        (run_dir / DRIVER_FILE).unlink(missing_ok=True)
 
 
 def recorded_driver(run_dir: Path) -> dict[str, Any] | None:

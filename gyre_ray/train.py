@@ -193,7 +193,6 @@ def train(
     try:
         summary = _run_segments(cfg, run_dir, start, restarts, (engine_factory, execute), live, progress)
     except BaseException as exc:
-        live_run.clear_driver(run_dir)
         if not progress["restored"]:  # the folder is as it was: its plain `--resume` still applies
             print(
                 f"gyre-ray: the resume failed before its checkpoint was restored; {run_dir}/config.json "
@@ -204,7 +203,8 @@ def train(
             raise
         note_failure(run_dir, exc)
         raise
-    live_run.clear_driver(run_dir)
+    finally:
+        live_run.clear_driver(run_dir)
     failure = nothing_scored(summary["steps"])
     if failure:  # every step ran, but no execution was scored: nothing was learned
         note_failure(run_dir, RuntimeError(failure), quiet=True)

@@ -113,9 +113,10 @@ def read_costs(path: Path) -> RunCosts:
         raise WorkloadError(f"{path}: 'policy' must be one of {', '.join(_POLICIES)}, got {data['policy']!r}")
     split = data.get("async_train_cells")
     split = None if split is None else _number(split, "async_train_cells", path, integer=True)
-    if split is not None and split > MAX_CELLS:
+    if split is not None and split > INT_LIMITS["async_train_cells"]:
         raise WorkloadError(
-            f"{path}: 'async_train_cells' must be <= {MAX_CELLS:,}, got {data['async_train_cells']!r}"
+            f"{path}: 'async_train_cells' must be <= {INT_LIMITS['async_train_cells']:,}, "
+            f"got {data['async_train_cells']!r}"
         )
     sim = SimCosts(
         **{k: costs[k] for k in COST_NUMBERS if k in SimCosts.__dataclass_fields__},
